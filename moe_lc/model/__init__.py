@@ -1,0 +1,1 @@
+"""The model: one plain-PyTorch reference per piece (SPEC 2)."""

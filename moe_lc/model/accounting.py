@@ -1,0 +1,126 @@
+"""Parameter and FLOP accounting from a config alone (no model is built).
+
+Counts are exact: they are checked against a meta-device build of every preset.
+Conventions (also printed by `moe-lc info`):
+- total parameters: every trainable parameter, the MTP layer included;
+- active parameters: what one token's forward pass multiplies with: all dense weights,
+  k routed experts per MoE layer (of n), the LM head, but not the embedding table (a
+  lookup, not a matmul) and not the MTP layer (a training-time extra);
+- training FLOPs per token: 6 x active matmul parameters (forward + backward) plus the
+  sequence-length-dependent token mixing: causal softmax attention over an average
+  context of (T+1)/2 keys, and the KDA chunked recurrence (state read/update per token and
+  the intra-chunk work with chunk C = 64).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from moe_lc.config import ModelConfig
+
+KDA_CHUNK = 64
+
+
+def _kda_params(cfg: ModelConfig) -> int:
+    d, k = cfg.d_model, cfg.kda
+    inner = k.num_heads * k.head_dim
+    rank = k.decay_rank or k.head_dim
+    if k.output_gate == "full":
+        gate = d * inner
+    else:
+        r = k.output_gate_rank or k.head_dim
+        gate = d * r + r * inner
+    return (
+        3 * d * inner  # q, k, v projections
+        + 3 * inner * k.conv_size  # short convolutions
+        + d * k.num_heads  # beta
+        + d * rank + rank * inner + inner  # decay logit (low rank) and its bias b
+        + k.num_heads  # A
+        + gate
+        + k.head_dim  # per-head output RMSNorm
+        + inner * d  # output projection
+    )
+
+
+def _mla_params(cfg: ModelConfig) -> int:
+    d, m = cfg.d_model, cfg.mla
+    H = m.num_heads
+    q = d * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * H * m.qk_dim if m.q_lora_rank else d * H * m.qk_dim
+    kv = d * m.kv_lora_rank + m.kv_lora_rank + m.kv_lora_rank * H * (m.qk_nope_dim + m.v_dim)
+    return q + kv + d * m.qk_rope_dim + (d * H * m.v_dim if m.gate else 0) + H * m.v_dim * d
+
+
+def _moe_params(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(dense part, one routed expert, routed total) of one MoE layer."""
+    d, e = cfg.d_model, cfg.moe
+    width = e.latent_dim if e.latent_dim is not None else d
+    latent = (2 * d * e.latent_dim + e.latent_dim) if e.latent_dim is not None else 0
+    shared = 3 * d * e.num_shared * e.expert_hidden
+    one_expert = 3 * width * e.expert_hidden
+    return d * e.num_routed + latent + shared, one_expert, e.num_routed * one_expert
+
+
+@dataclass
+class ParamReport:
+    total: int
+    active: int
+    by_component: "OrderedDict[str, int]" = field(default_factory=OrderedDict)
+    active_by_component: "OrderedDict[str, int]" = field(default_factory=OrderedDict)
+
+
+def count_parameters(cfg: ModelConfig) -> ParamReport:
+    cfg.validate()
+    d, V = cfg.d_model, cfg.padded_vocab_size
+    attn_res = cfg.attn_res.mode != "none"
+    moe_dense, one_expert, routed_total = _moe_params(cfg)
+    e = cfg.moe
+    comp: "OrderedDict[str, int]" = OrderedDict((k, 0) for k in (
+        "embedding", "kda", "mla", "dense_ffn", "moe_shared_and_router", "moe_routed_experts",
+        "norms_and_attn_res", "lm_head", "mtp"))
+    act = OrderedDict(comp)
+    comp["embedding"] = V * d
+    comp["lm_head"] = act["lm_head"] = V * d
+    norms = d + (2 * d if attn_res else 0)  # final norm, output pseudo-query + its norm
+    for i, kind in enumerate(cfg.pattern):
+        norms += 2 * d + (4 * d if attn_res else 0)  # two pre-norms, two mixers (query + norm)
+        if kind == "K":
+            comp["kda"] += _kda_params(cfg)
+        else:
+            comp["mla"] += _mla_params(cfg)
+        if cfg.is_dense_layer(i):
+            comp["dense_ffn"] += 3 * d * e.dense_hidden
+        else:
+            comp["moe_shared_and_router"] += moe_dense
+            comp["moe_routed_experts"] += routed_total
+            act["moe_routed_experts"] += e.top_k * one_expert
+    comp["norms_and_attn_res"] = norms
+    for key in ("kda", "mla", "dense_ffn", "moe_shared_and_router", "norms_and_attn_res"):
+        act[key] = comp[key]
+    if cfg.mtp:
+        mtp_ffn = 3 * d * e.dense_hidden if cfg.is_dense_layer(cfg.num_layers) else moe_dense + routed_total
+        comp["mtp"] = 2 * d + 2 * d * d + _mla_params(cfg) + 2 * d + mtp_ffn + d
+    return ParamReport(total=sum(comp.values()), active=sum(act.values()), by_component=comp, active_by_component=act)
+
+
+def mixing_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token of the sequence-dependent token mixing (not in the parameter count)."""
+    m, k = cfg.mla, cfg.kda
+    avg_keys = (seq_len + 1) / 2
+    mla = 2 * m.num_heads * (m.qk_dim + m.v_dim) * avg_keys
+    K = V = k.head_dim
+    c = min(KDA_CHUNK, seq_len)
+    # inter-chunk: q.S, k.S (for W S), state update k^T(U - W S): 3 matvec-sized products of K x V
+    # intra-chunk (per token, over c/2 earlier tokens on average): QK^T, KK^T, attention x (U - W S)
+    # and the triangular solve of the UT transform.
+    kda = k.num_heads * (2 * 3 * K * V + 2 * (c / 2) * (2 * K + V) + c * c / 3)
+    n_mla = cfg.pattern.count("M")
+    n_kda = cfg.pattern.count("K")
+    return n_mla * mla + n_kda * kda
+
+
+def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward + backward FLOPs per token: 3 x (2 x active matmul params + token mixing)."""
+    rep = count_parameters(cfg)
+    matmul_active = rep.active - rep.active_by_component["norms_and_attn_res"]
+    return 3.0 * (2.0 * matmul_active + mixing_flops_per_token(cfg, seq_len))

@@ -1,0 +1,84 @@
+"""The KDA token mixer (SPEC 2.2): gated delta-rule linear attention with per-channel decay.
+
+    q, k = L2Norm(SiLU(ShortConv(W x)))   v = SiLU(ShortConv(W_v x))   beta = sigmoid(W_beta x)
+    z = W_up W_down x                      g = gate(z + b)   (bounded: g_min * sigmoid(e^A (z + b)))
+    o = KDA(q, k, v, g, beta)              y = W_o [ sigmoid(W_g x) * RMSNorm_head(o) ]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_lc.config import KDAConfig
+from moe_lc.model.norm import RMSNorm
+from moe_lc.model.short_conv import ShortConv
+from moe_lc.ops.kda import chunk_kda, kda_gate
+
+
+class KDAttention(nn.Module):
+    def __init__(self, d_model: int, cfg: KDAConfig, norm_eps: float = 1e-6) -> None:
+        super().__init__()
+        self.cfg = cfg
+        H, K = cfg.num_heads, cfg.head_dim
+        inner = H * K
+        self.q_proj = nn.Linear(d_model, inner, bias=False)
+        self.k_proj = nn.Linear(d_model, inner, bias=False)
+        self.v_proj = nn.Linear(d_model, inner, bias=False)
+        self.q_conv = ShortConv(inner, cfg.conv_size)
+        self.k_conv = ShortConv(inner, cfg.conv_size)
+        self.v_conv = ShortConv(inner, cfg.conv_size)
+        self.beta_proj = nn.Linear(d_model, H, bias=False)
+        rank = cfg.decay_rank or K
+        self.decay_down = nn.Linear(d_model, rank, bias=False)
+        self.decay_up = nn.Linear(rank, inner, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(inner))  # b: per head and channel
+        self.A_log = nn.Parameter(torch.empty(H))  # A_h: per head, starts at 0
+        if cfg.output_gate == "full":
+            self.gate_proj = nn.Sequential(nn.Linear(d_model, inner, bias=False))
+        else:
+            r = cfg.output_gate_rank or K
+            self.gate_proj = nn.Sequential(nn.Linear(d_model, r, bias=False), nn.Linear(r, inner, bias=False))
+        self.o_norm = RMSNorm(K, norm_eps)
+        self.o_proj = nn.Linear(inner, d_model, bias=False)
+        self.reset_gate_parameters()
+
+    @torch.no_grad()
+    def reset_gate_parameters(self, dt_min: float = 1e-3, dt_max: float = 0.1) -> None:
+        """A = 0; decay bias so that initial per-step decays -g span [dt_min, dt_max] log-uniformly.
+
+        softplus gate: b = softplus^-1(dt); bounded gate: b = logit(dt / |g_min|), the matching
+        inverse, so that at z = 0 both gates start from the same retention time scales.
+        """
+        nn.init.zeros_(self.A_log)
+        if self.dt_bias.is_meta:
+            return
+        u = torch.rand(self.dt_bias.shape, device=self.dt_bias.device, dtype=torch.float32)
+        dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        if self.cfg.gate == "softplus":
+            b = dt + torch.log(-torch.expm1(-dt))
+        else:
+            p = dt / abs(self.cfg.g_min)
+            b = torch.log(p) - torch.log1p(-p)
+        self.dt_bias.copy_(b.to(self.dt_bias.dtype))
+
+    def forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, K = self.cfg.num_heads, self.cfg.head_dim
+        q = F.silu(self.q_conv(self.q_proj(x), cu_seqlens)).view(B, T, H, K)
+        k = F.silu(self.k_conv(self.k_proj(x), cu_seqlens)).view(B, T, H, K)
+        v = F.silu(self.v_conv(self.v_proj(x), cu_seqlens)).view(B, T, H, K)
+        q = F.normalize(q.float(), dim=-1).to(x.dtype)
+        k = F.normalize(k.float(), dim=-1).to(x.dtype)
+        beta = torch.sigmoid(self.beta_proj(x).float())
+        z = self.decay_up(self.decay_down(x)).view(B, T, H, K)
+        lower = self.cfg.g_min if self.cfg.gate == "bounded" else None
+        g = kda_gate(z, self.A_log, self.dt_bias, lower_bound=lower)
+        o, _ = chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=self.cfg.backend)
+        o = self.o_norm(o)
+        gate = torch.sigmoid(self.gate_proj(x)).view(B, T, H, K)
+        return self.o_proj((gate * o.to(gate.dtype)).reshape(B, T, H * K))

@@ -1,0 +1,80 @@
+"""Gated multi-head latent attention with no positional encoding (SPEC 2.3).
+
+    c_q = RMSNorm(W_dq x)         q = W_uq c_q            (or q = W_q x without q_lora_rank)
+    c_kv = RMSNorm(W_dkv x)       [k_nope, v] = W_ukv c_kv
+    k_shared = W_ks x             (the "rope" slot of DeepSeek MLA; never rotated, one per token,
+                                   broadcast to every head)
+    o = softmax(q k^T / sqrt(d_nope + d_shared)) v   causal, within each document
+    y = W_o [ sigmoid(W_g x) * o ]
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_lc.config import MLAConfig
+from moe_lc.model.norm import RMSNorm
+
+
+def causal_document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cu_seqlens: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """Causal softmax attention that never crosses a document boundary. q,k,v: [B, H, T, D]."""
+    if cu_seqlens is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if q.shape[0] != 1:
+        raise ValueError(f"packed documents (cu_seqlens) need batch size 1, got {q.shape[0]}")
+    bounds = cu_seqlens.tolist()
+    outs = [
+        F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=scale)
+        for s, e in zip(bounds[:-1], bounds[1:])
+        if e > s
+    ]
+    return torch.cat(outs, dim=2)
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, d_model: int, cfg: MLAConfig, norm_eps: float = 1e-6) -> None:
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.num_heads
+        if cfg.q_lora_rank is not None:
+            self.q_down = nn.Linear(d_model, cfg.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, norm_eps)
+            self.q_up = nn.Linear(cfg.q_lora_rank, H * cfg.qk_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(d_model, H * cfg.qk_dim, bias=False)
+        self.kv_down = nn.Linear(d_model, cfg.kv_lora_rank, bias=False)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, norm_eps)
+        self.kv_up = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_dim + cfg.v_dim), bias=False)
+        self.k_shared = nn.Linear(d_model, cfg.qk_rope_dim, bias=False) if cfg.qk_rope_dim > 0 else None
+        self.gate_proj = nn.Linear(d_model, H * cfg.v_dim, bias=False) if cfg.gate else None
+        self.o_proj = nn.Linear(H * cfg.v_dim, d_model, bias=False)
+        self.scale = cfg.qk_dim**-0.5
+
+    def forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        c = self.cfg
+        H = c.num_heads
+        q = self.q_up(self.q_norm(self.q_down(x))) if c.q_lora_rank is not None else self.q_proj(x)
+        q = q.view(B, T, H, c.qk_dim)
+        kv = self.kv_up(self.kv_norm(self.kv_down(x))).view(B, T, H, c.qk_nope_dim + c.v_dim)
+        k_nope, v = kv.split([c.qk_nope_dim, c.v_dim], dim=-1)
+        if self.k_shared is not None:
+            k_sh = self.k_shared(x).unsqueeze(2).expand(B, T, H, c.qk_rope_dim)
+            k = torch.cat([k_nope, k_sh], dim=-1)
+        else:
+            k = k_nope
+        o = causal_document_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale, cu_seqlens
+        ).transpose(1, 2)  # [B, T, H, v_dim]
+        if c.fp32_output:
+            o = o.float()
+        o = o.reshape(B, T, H * c.v_dim)
+        if self.gate_proj is not None:
+            o = torch.sigmoid(self.gate_proj(x).to(o.dtype)) * o
+        return self.o_proj(o.to(self.o_proj.weight.dtype))

@@ -1,0 +1,136 @@
+"""Stable LatentMoE (SPEC 2.5).
+
+    s = sigmoid(W_r x)                    T = argtop_k(s + b)   (b selects only: no gradient, no weight)
+    p_j = scale * s_j / sum_{r in T} s_r
+    z = W_down x                          u = sum_{j in T} p_j E_j(z)      (experts in latent width l)
+    y = sum_s E_s^shared(x) + W_up RMSNorm(u)
+
+Dropless: every token reaches its k experts. Tokens are sorted by expert and each
+expert runs once on its contiguous slice (`grouped_experts`); expert parallelism
+replaces only the dispatch around that call.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from moe_lc.config import MoEConfig
+from moe_lc.model.balancing import ExpertBalancer
+from moe_lc.model.ffn import GatedFFN, glu_activation
+from moe_lc.model.norm import RMSNorm
+
+
+def grouped_experts(
+    x_sorted: torch.Tensor,
+    tokens_per_expert: list[int],
+    w_gate: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    activation: str,
+    beta1: float,
+    beta2: float,
+) -> torch.Tensor:
+    """Run expert e on its slice of `x_sorted` ([sum counts, l]); weights [E, h, l], [E, h, l], [E, l, h]."""
+    outs = []
+    start = 0
+    for e, n in enumerate(tokens_per_expert):
+        if n == 0:
+            continue
+        xe = x_sorted[start : start + n]
+        h = glu_activation(xe @ w_gate[e].t(), xe @ w_in[e].t(), activation, beta1, beta2)
+        outs.append(h @ w_out[e].t())
+        start += n
+    if not outs:
+        return x_sorted.new_zeros(0, w_out.shape[1])
+    return torch.cat(outs, dim=0)
+
+
+class RoutedExperts(nn.Module):
+    """The n routed experts' weights, stacked so that they can be sharded along dim 0 (EP)."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int, activation: str, beta1: float, beta2: float):
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w_in = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w_out = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.activation, self.beta1, self.beta2 = activation, beta1, beta2
+
+    def forward(self, x_sorted: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        return grouped_experts(
+            x_sorted, tokens_per_expert, self.w_gate, self.w_in, self.w_out, self.activation, self.beta1, self.beta2
+        )
+
+
+def sort_by_expert(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Flattened (token, slot) assignments ordered by expert: (order, token_of_row, counts per expert)."""
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of_row = order // topk_idx.shape[1]
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return order, token_of_row, counts
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, d_model: int, cfg: MoEConfig, norm_eps: float = 1e-6) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(d_model, cfg.num_routed, bias=False)
+        self.balancer = ExpertBalancer(
+            cfg.num_routed,
+            cfg.top_k,
+            mode=cfg.balancing,
+            bins=cfg.qb_bins,
+            exact=cfg.qb_exact,
+            ema=cfg.qb_ema,
+            sign_rate=cfg.sign_rate,
+            aux_coef=cfg.aux_loss_coef,
+        )
+        expert_dim = cfg.latent_dim if cfg.latent_dim is not None else d_model
+        if cfg.latent_dim is not None:
+            self.latent_down = nn.Linear(d_model, cfg.latent_dim, bias=False)
+            self.latent_norm = RMSNorm(cfg.latent_dim, norm_eps)
+            self.latent_up = nn.Linear(cfg.latent_dim, d_model, bias=False)
+        self.experts = RoutedExperts(
+            cfg.num_routed, expert_dim, cfg.expert_hidden, cfg.activation, cfg.situ_beta1, cfg.situ_beta2
+        )
+        # N_s shared experts of hidden h summed == one GLU of hidden N_s*h (same parameters, one matmul).
+        self.shared = (
+            GatedFFN(d_model, cfg.num_shared * cfg.expert_hidden, cfg.activation, cfg.situ_beta1, cfg.situ_beta2)
+            if cfg.num_shared > 0
+            else None
+        )
+        self.aux_loss: Optional[torch.Tensor] = None
+
+    def route(self, x_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Router scores (fp32), selected experts and their normalised weights."""
+        scores = torch.sigmoid(self.router(x_flat).float())
+        topk_idx = self.balancer.select(scores.detach())
+        picked = scores.gather(1, topk_idx)
+        weights = picked / picked.sum(-1, keepdim=True) * self.cfg.routing_scale
+        self.aux_loss = self.balancer.aux_loss(scores, topk_idx) if self.training else None
+        return scores, topk_idx, weights
+
+    def routed(self, z: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """u = sum_{j in T} p_j E_j(z) with a sort/gather dispatch (the single-process reference)."""
+        order, token_of_row, counts = sort_by_expert(topk_idx, self.cfg.num_routed)
+        out_sorted = self.experts(z[token_of_row], counts)
+        w_sorted = weights.reshape(-1)[order].unsqueeze(-1)
+        u = torch.zeros_like(z, dtype=torch.float32)
+        u.index_add_(0, token_of_row, (out_sorted.float() * w_sorted))
+        return u.to(z.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x_flat = x.reshape(-1, shape[-1])
+        _, topk_idx, weights = self.route(x_flat)
+        if self.cfg.latent_dim is not None:
+            u = self.routed(self.latent_down(x_flat), topk_idx, weights)
+            y = self.latent_up(self.latent_norm(u))
+        else:
+            y = self.routed(x_flat, topk_idx, weights)
+        if self.shared is not None:
+            y = y + self.shared(x_flat)
+        return y.view(shape)

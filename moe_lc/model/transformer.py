@@ -1,0 +1,162 @@
+"""The hybrid KDA/MLA LatentMoE language model (SPEC 2.1).
+
+Decoder layer = token mixing (KDA or Gated MLA) then channel mixing (LatentMoE, or a dense
+SiTU-GLU FFN in the first layers); each sublayer is pre-norm and reads its input from the
+residual stream (plain residual or Attention Residuals). No positional encoding anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_lc.config import ModelConfig
+from moe_lc.model.attn_res import DepthMixer, ResidualStream
+from moe_lc.model.ffn import GatedFFN
+from moe_lc.model.kda import KDAttention
+from moe_lc.model.mla import GatedMLA
+from moe_lc.model.moe import LatentMoE
+from moe_lc.model.norm import RMSNorm
+
+IGNORE_INDEX = -100
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, kind: str, use_attn_res: bool) -> None:
+        super().__init__()
+        self.layer_idx, self.kind = layer_idx, kind
+        d, eps = cfg.d_model, cfg.norm_eps
+        self.attn_mixer = DepthMixer(d, eps) if use_attn_res else None
+        self.attn_norm = RMSNorm(d, eps)
+        self.attn = KDAttention(d, cfg.kda, eps) if kind == "K" else GatedMLA(d, cfg.mla, eps)
+        self.ffn_mixer = DepthMixer(d, eps) if use_attn_res else None
+        self.ffn_norm = RMSNorm(d, eps)
+        m = cfg.moe
+        if cfg.is_dense_layer(layer_idx):
+            self.ffn = GatedFFN(d, m.dense_hidden, m.activation, m.situ_beta1, m.situ_beta2)
+        else:
+            self.ffn = LatentMoE(d, m, eps)
+
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.ffn, LatentMoE)
+
+    def forward(self, stream: ResidualStream, cu_seqlens: Optional[torch.Tensor] = None) -> ResidualStream:
+        h = stream.sublayer_input(self.attn_mixer)
+        stream.add_output(self.attn(self.attn_norm(h), cu_seqlens))
+        h = stream.sublayer_input(self.ffn_mixer)
+        stream.add_output(self.ffn(self.ffn_norm(h)))
+        return stream
+
+
+class MultiTokenPrediction(nn.Module):
+    """One extra depth that predicts token t+2 from the trunk's state at t and the embedding of t+1.
+
+    Plain residual inside (it is one layer deep); shares the embedding and LM head with the trunk.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, eps = cfg.d_model, cfg.norm_eps
+        self.hidden_norm = RMSNorm(d, eps)
+        self.embed_norm = RMSNorm(d, eps)
+        self.proj = nn.Linear(2 * d, d, bias=False)
+        self.layer = DecoderLayer(cfg, cfg.num_layers, "M", use_attn_res=False)
+        self.final_norm = RMSNorm(d, eps)
+
+    def forward(self, hidden: torch.Tensor, next_embed: torch.Tensor, cu_seqlens: Optional[torch.Tensor]):
+        h = self.proj(torch.cat([self.hidden_norm(hidden), self.embed_norm(next_embed)], dim=-1))
+        stream = self.layer(ResidualStream.start("none", h), cu_seqlens)
+        return self.final_norm(stream.partial)
+
+
+@dataclass
+class ModelOutput:
+    loss: Optional[torch.Tensor]  # LM loss (+ MTP loss) (+ auxiliary balance loss)
+    lm_loss: Optional[torch.Tensor]
+    logits: Optional[torch.Tensor]
+    aux_loss: Optional[torch.Tensor] = None
+    mtp_loss: Optional[torch.Tensor] = None
+
+
+def language_model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy in fp32, ignoring IGNORE_INDEX (padding, document tails)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+class MoELCModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        d = cfg.d_model
+        use_ar = cfg.attn_res.mode != "none"
+        self.embed = nn.Embedding(cfg.padded_vocab_size, d)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, kind, use_ar) for i, kind in enumerate(cfg.pattern)
+        )
+        self.out_mixer = DepthMixer(d, cfg.norm_eps) if use_ar else None
+        self.final_norm = RMSNorm(d, cfg.norm_eps)
+        self.lm_head = nn.Linear(d, cfg.padded_vocab_size, bias=False)
+        self.mtp = MultiTokenPrediction(cfg) if cfg.mtp else None
+        self.mtp_weight = 0.1
+
+    def moe_layers(self) -> list[LatentMoE]:
+        mods = [layer.ffn for layer in self.layers if layer.is_moe]
+        if self.mtp is not None and self.mtp.layer.is_moe:
+            mods.append(self.mtp.layer.ffn)
+        return mods
+
+    def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h)[..., : self.cfg.vocab_size]
+
+    def hidden_states(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Final normalised hidden states [B, T, d]."""
+        stream = ResidualStream.start(self.cfg.attn_res.mode, self.embed(input_ids))
+        for layer in self.layers:
+            stream = layer(stream, cu_seqlens)
+            stream.end_layer(layer.layer_idx, self.cfg.attn_res.block_size)
+        return self.final_norm(stream.final(self.out_mixer))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        return_logits: bool = True,
+    ) -> ModelOutput:
+        """input_ids/labels: [B, T] (labels already shifted: labels[t] is the target after input t)."""
+        use_mtp = self.mtp is not None and labels is not None
+        h = self.hidden_states(input_ids, cu_seqlens)
+        logits = self.logits_from_hidden(h)
+        if labels is None:
+            return ModelOutput(loss=None, lm_loss=None, logits=logits)
+        lm_loss = language_model_loss(logits, labels)
+        loss = lm_loss
+        mtp_loss = None
+        if use_mtp:
+            mtp_loss = self._mtp_loss(h, labels, cu_seqlens)
+            loss = loss + self.mtp_weight * mtp_loss
+        aux = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
+        aux_loss = torch.stack(aux).sum() if aux else None
+        if aux_loss is not None:
+            loss = loss + aux_loss
+        return ModelOutput(
+            loss=loss, lm_loss=lm_loss, logits=logits if return_logits else None, aux_loss=aux_loss, mtp_loss=mtp_loss
+        )
+
+    def _mtp_loss(self, h: torch.Tensor, labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+        """Predict labels[t+1] from h[t] and embed(labels[t]) (the token at t+1)."""
+        next_tok = labels.clamp_min(0)
+        mtp_h = self.mtp(h, self.embed(next_tok), cu_seqlens)
+        mtp_labels = torch.full_like(labels, IGNORE_INDEX)
+        mtp_labels[:, :-1] = labels[:, 1:]
+        mtp_labels[labels == IGNORE_INDEX] = IGNORE_INDEX
+        if cu_seqlens is not None:  # never predict across a document boundary
+            ends = cu_seqlens[1:].long() - 1
+            mtp_labels[0, ends[ends >= 0]] = IGNORE_INDEX
+        return language_model_loss(self.logits_from_hidden(mtp_h), mtp_labels)
