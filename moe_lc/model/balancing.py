@@ -18,7 +18,9 @@ Quantile convention. Sort ``r_{:,j}`` ascending, ``r_(1) <= ... <= r_(m)``, and 
 below it; the exact path takes the midpoint of that gap (``r_(m)`` itself when Q = m).
 The histogram path (``QuantileHistogram``) finds the bin holding ``r_(Q)`` (the first bin
 whose cumulative count reaches Q) and interpolates linearly inside it, so it lands in
-the same bin as ``r_(Q)``: within one bin width of it.
+the same bin as ``r_(Q)``: within one bin width of it. Ties are real: every token whose
+(k+1)-th choice is j has ``r_ij = b_j`` (up to rounding), so when the quantile falls on that
+point mass the exact path keeps ``b_hat_j = b_j`` and the count is exact only within the tie.
 
 Why one QB step is not exactly balanced: ``alpha_i`` is the right threshold for the
 experts token i already takes, but for the others the bar is the k-th score, and moving
