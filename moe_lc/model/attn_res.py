@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from moe_lc.model.norm import RMSNorm
+from moe_lc.model.precision import upcast
 
 
 class DepthMixer(nn.Module):
@@ -37,7 +38,7 @@ class DepthMixer(nn.Module):
             # softmax over one source is exactly 1; skip the work (no gradient to w either way)
             return sources[0]
         v = torch.stack(sources, dim=0)  # [S, B, T, d]
-        logits = (self.norm(v).float() * self.query.float()).sum(-1)  # [S, B, T]
+        logits = (upcast(self.norm(v)) * upcast(self.query)).sum(-1)  # [S, B, T]
         a = torch.softmax(logits, dim=0).to(v.dtype)
         return (a.unsqueeze(-1) * v).sum(0)
 

@@ -63,4 +63,7 @@ def build_model(
         return model
     model = model.to_empty(device=device)
     init_weights(model, seed=seed)
-    return model.to(dtype)
+    # Cast parameters only: balancer biases and statistics stay fp32 whatever the compute dtype.
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model

@@ -18,6 +18,7 @@ from moe_lc.config import KDAConfig
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.short_conv import ShortConv
 from moe_lc.ops.kda import chunk_kda, kda_gate
+from moe_lc.model.precision import upcast
 
 
 class KDAttention(nn.Module):
@@ -72,9 +73,9 @@ class KDAttention(nn.Module):
         q = F.silu(self.q_conv(self.q_proj(x), cu_seqlens)).view(B, T, H, K)
         k = F.silu(self.k_conv(self.k_proj(x), cu_seqlens)).view(B, T, H, K)
         v = F.silu(self.v_conv(self.v_proj(x), cu_seqlens)).view(B, T, H, K)
-        q = F.normalize(q.float(), dim=-1).to(x.dtype)
-        k = F.normalize(k.float(), dim=-1).to(x.dtype)
-        beta = torch.sigmoid(self.beta_proj(x).float())
+        q = F.normalize(upcast(q), dim=-1).to(x.dtype)
+        k = F.normalize(upcast(k), dim=-1).to(x.dtype)
+        beta = torch.sigmoid(upcast(self.beta_proj(x)))
         z = self.decay_up(self.decay_down(x)).view(B, T, H, K)
         lower = self.cfg.g_min if self.cfg.gate == "bounded" else None
         g = kda_gate(z, self.A_log, self.dt_bias, lower_bound=lower)

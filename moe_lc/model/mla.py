@@ -18,6 +18,7 @@ from torch import nn
 
 from moe_lc.config import MLAConfig
 from moe_lc.model.norm import RMSNorm
+from moe_lc.model.precision import upcast
 
 
 def causal_document_attention(
@@ -73,7 +74,7 @@ class GatedMLA(nn.Module):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale, cu_seqlens
         ).transpose(1, 2)  # [B, T, H, v_dim]
         if c.fp32_output:
-            o = o.float()
+            o = upcast(o)
         o = o.reshape(B, T, H * c.v_dim)
         if self.gate_proj is not None:
             o = torch.sigmoid(self.gate_proj(x).to(o.dtype)) * o

@@ -21,6 +21,7 @@ from moe_lc.config import MoEConfig
 from moe_lc.model.balancing import ExpertBalancer
 from moe_lc.model.ffn import GatedFFN, glu_activation
 from moe_lc.model.norm import RMSNorm
+from moe_lc.model.precision import upcast
 
 
 def grouped_experts(
@@ -106,7 +107,7 @@ class LatentMoE(nn.Module):
 
     def route(self, x_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Router scores (fp32), selected experts and their normalised weights."""
-        scores = torch.sigmoid(self.router(x_flat).float())
+        scores = torch.sigmoid(upcast(self.router(x_flat)))
         topk_idx = self.balancer.select(scores.detach())
         picked = scores.gather(1, topk_idx)
         weights = picked / picked.sum(-1, keepdim=True) * self.cfg.routing_scale
@@ -118,8 +119,8 @@ class LatentMoE(nn.Module):
         order, token_of_row, counts = sort_by_expert(topk_idx, self.cfg.num_routed)
         out_sorted = self.experts(z[token_of_row], counts)
         w_sorted = weights.reshape(-1)[order].unsqueeze(-1)
-        u = torch.zeros_like(z, dtype=torch.float32)
-        u.index_add_(0, token_of_row, (out_sorted.float() * w_sorted))
+        u = upcast(z.new_zeros(z.shape))
+        u.index_add_(0, token_of_row, (upcast(out_sorted) * w_sorted))
         return u.to(z.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from moe_lc.model.precision import upcast
 
 
 class RMSNorm(nn.Module):
@@ -13,9 +14,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = upcast(x)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return (y * upcast(self.weight)).to(x.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

@@ -21,6 +21,7 @@ from moe_lc.model.kda import KDAttention
 from moe_lc.model.mla import GatedMLA
 from moe_lc.model.moe import LatentMoE
 from moe_lc.model.norm import RMSNorm
+from moe_lc.model.precision import upcast
 
 IGNORE_INDEX = -100
 
@@ -85,7 +86,7 @@ class ModelOutput:
 
 def language_model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy in fp32, ignoring IGNORE_INDEX (padding, document tails)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
 class MoELCModel(nn.Module):
