@@ -59,6 +59,19 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare_data(args: argparse.Namespace) -> int:
+    """Tokenize text / JSONL files into a Megatron .bin/.idx data source."""
+    from moe_lc.data.prepare import prepare_data
+
+    try:
+        stats = prepare_data(args.inputs, args.output_prefix, args.tokenizer, args.json_key, args.eod_token)
+    except (OSError, ValueError, ImportError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(stats.summary())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-lc", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -67,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--seq-len", type=int, default=8192, help="sequence length for FLOPs/token (default 8192)")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(func=cmd_info)
+    prep = sub.add_parser("prepare-data", help="tokenize text/JSONL files into Megatron .bin/.idx")
+    prep.add_argument("inputs", nargs="+", help="text files (one document each), .jsonl files (one per line), or directories")
+    prep.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.meta.json")
+    prep.add_argument("--tokenizer", default="byte", help="'byte' (default) or a Hugging Face tokenizer.json path")
+    prep.add_argument("--json-key", default="text", help="JSONL field holding the text (default: text)")
+    prep.add_argument("--eod-token", default=None, help="end-of-document token of a tokenizer.json, if not standard")
+    prep.set_defaults(func=cmd_prepare_data)
     return p
 
 
