@@ -1,0 +1,34 @@
+"""moe_lc_kernels: Triton kernels for moe-lc (importable without a GPU and without Triton).
+
+Everything that needs Triton is imported on first use, so ``import moe_lc_kernels`` works on any
+machine; :func:`triton_available` says whether the kernels can run here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+__all__ = ["triton_available", "chunk_kda_fused", "chunk_kda_triton", "segment_transition"]
+
+
+def triton_available(device_type: str = "cuda") -> bool:
+    """True when Triton is installed and can run on ``device_type`` (CPU only under TRITON_INTERPRET=1)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if device_type == "cpu":
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    return True
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("chunk_kda_fused", "chunk_kda_triton"):
+        from moe_lc_kernels import kda
+
+        return getattr(kda, name)
+    if name == "segment_transition":
+        from moe_lc_kernels.segments import segment_transition
+
+        return segment_transition
+    raise AttributeError(f"module 'moe_lc_kernels' has no attribute {name!r}")

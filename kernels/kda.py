@@ -1,0 +1,375 @@
+"""Chunked KDA on the Triton kernels: launch plan, autograd Function and the public entry points.
+
+Two entry points:
+- :func:`chunk_kda_fused` takes the raw projections (q, k before L2 norm, the decay logit z with
+  ``A_log``/``dt_bias``/``lower_bound``, beta logits) and fuses L2 norm, bounded gate, in-chunk
+  cumsum and beta sigmoid into the kernels (what a layer should call for speed).
+- :func:`chunk_kda_triton` has the signature of the ``moe_lc.ops.kda`` backends (normalised q/k,
+  log-decay g, beta in (0, 1)); it is registered there as backend ``"triton"``.
+
+Long sequences with few heads (B*H small) leave most multiprocessors idle in a serial state pass.
+The plan then cuts every sequence into segments of ``segment_chunks`` chunks and runs
+1. each segment from a zero state, carrying K identity columns too, so that it ends with its own
+   final state S~_j and transition M_j (S_end = M_j S_start + S~_j), all segments in parallel;
+2. the composition S_{j+1} = M_j S_j + S~_j, a short serial loop over segments;
+3. every segment again from its true start state, writing outputs, all in parallel.
+This is the algebra of context parallelism (KCP) inside one device. Backward mirrors it with M^T.
+
+Memory: backward recomputes everything per chunk from the inputs; the forward saves only the
+segment start states and transitions (fp32, [segments, H, K, V] and [segments, H, K, K]), never
+per-chunk states. Backward holds per-chunk states and state gradients (bf16, 2 * T/64 * H * K * V
+* 2 bytes: 2.1 GB at T=256K, H=16, K=V=128) only while one layer's backward runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+CHUNK = 64
+GATE_SPAN_LIMIT = 5.5  # |g| per step above which exp(16 |g|) could overflow fp32/bf16 in a tile
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Chunk and segment tables for one call (host-built; all index tensors int32 on the device)."""
+
+    chunk_bos: Tensor
+    chunk_eos: Tensor
+    seg_chunk0: Tensor
+    seg_nchunks: Tensor
+    seq_seg0: Tensor
+    seq_nseg: Tensor
+    last_seg: Tensor  # [N] (long): last segment of each sequence
+    first_seg: Tensor  # [N] (long)
+    num_chunks: int
+    num_segments: int
+    num_seqs: int
+    segmented: bool
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def auto_segment_chunks(seq_chunks: list[int], heads: int, value_blocks: int, device: torch.device) -> int | None:
+    """Chunks per segment, or None when the plain serial pass already fills the device.
+
+    The segmented path does about three passes of state work instead of one, so it pays only when
+    the serial pass would use a small fraction of the multiprocessors.
+    """
+    sms = _num_sms(device)
+    serial_programs = len(seq_chunks) * heads * value_blocks
+    if serial_programs >= sms:
+        return None
+    target = 2 * sms  # programs of the final pass
+    total_chunks = sum(seq_chunks)
+    per_segment = max(8, math.ceil(total_chunks * heads * value_blocks / target))
+    if max(seq_chunks) < 2 * per_segment:
+        return None
+    return per_segment
+
+
+def build_plan(seq_lens: list[int], device: torch.device, segment_chunks: int | None) -> _Plan:
+    chunk_bos, chunk_eos, seg_chunk0, seg_nchunks, seq_seg0, seq_nseg = [], [], [], [], [], []
+    start = 0
+    for length in seq_lens:
+        n_chunks = -(-length // CHUNK)
+        first_chunk = len(chunk_bos)
+        for c in range(n_chunks):
+            chunk_bos.append(start + c * CHUNK)
+            chunk_eos.append(min(start + (c + 1) * CHUNK, start + length))
+        per = n_chunks if segment_chunks is None else segment_chunks
+        seq_seg0.append(len(seg_chunk0))
+        for c in range(0, n_chunks, per):
+            seg_chunk0.append(first_chunk + c)
+            seg_nchunks.append(min(per, n_chunks - c))
+        seq_nseg.append(len(seg_chunk0) - seq_seg0[-1])
+        start += length
+
+    def ints(x: list[int]) -> Tensor:
+        return torch.tensor(x, dtype=torch.int32, device=device)
+
+    first = torch.tensor(seq_seg0, dtype=torch.long)
+    last = first + torch.tensor(seq_nseg, dtype=torch.long) - 1
+    return _Plan(
+        chunk_bos=ints(chunk_bos), chunk_eos=ints(chunk_eos),
+        seg_chunk0=ints(seg_chunk0), seg_nchunks=ints(seg_nchunks),
+        seq_seg0=ints(seq_seg0), seq_nseg=ints(seq_nseg),
+        last_seg=last.to(device), first_seg=first.to(device),
+        num_chunks=len(chunk_bos), num_segments=len(seg_chunk0), num_seqs=len(seq_lens),
+        segmented=len(seg_chunk0) > len(seq_lens),
+    )
+
+
+@dataclass(frozen=True)
+class _Flags:
+    gate_in_kernel: bool
+    l2norm: bool
+    beta_sigmoid: bool
+    scale: float
+    lower_bound: float
+
+
+def _config(q: Tensor, v: Tensor) -> dict:
+    inter = torch.float32 if q.dtype == torch.float32 else torch.bfloat16
+    return dict(inter=inter, dot="ieee" if inter == torch.float32 else "tf32", BV=min(64, v.shape[-1]))
+
+
+def _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan: _Plan, flags: _Flags, cfg: dict, store_x: bool):
+    total, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    inter = cfg["inter"]
+    w = torch.empty(total, heads, key_dim, device=q.device, dtype=inter)
+    qg = torch.empty_like(w)
+    kend = torch.empty_like(w)
+    u = torch.empty(total, heads, value_dim, device=q.device, dtype=inter)
+    aqk = torch.empty(total, heads, CHUNK, device=q.device, dtype=inter)
+    gc = torch.empty(plan.num_chunks, heads, key_dim, device=q.device, dtype=torch.float32)
+    x = (torch.empty(plan.num_chunks, heads, CHUNK, CHUNK, device=q.device, dtype=torch.float32)
+         if store_x else gc)
+    kt._prep_kernel[(plan.num_chunks, heads)](
+        q, k, v, gz, beta, A_log if A_log is not None else gc, dt_bias if dt_bias is not None else gc,
+        plan.chunk_bos, plan.chunk_eos, w, u, qg, kend, aqk, gc, x,
+        flags.scale, flags.lower_bound, heads,
+        K=key_dim, V=value_dim, BT=CHUNK, GATE_IN_KERNEL=flags.gate_in_kernel, HAS_DT_BIAS=dt_bias is not None,
+        L2NORM=flags.l2norm, BETA_SIGMOID=flags.beta_sigmoid, STORE_X=store_x, DOT_PREC=cfg["dot"],
+        num_warps=8, num_stages=1,
+    )
+    return w, u, qg, kend, aqk, gc, (x if store_x else None)
+
+
+def _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, *, init, transition, out=None, states=None):
+    """One forward state pass over every segment; returns the segment end states."""
+    heads, key_dim = w.shape[1], w.shape[2]
+    value_dim = u.shape[-1]
+    bv = cfg["BV"]
+    v_end = value_dim + (key_dim if transition else 0)
+    seg_end = torch.empty(plan.num_segments, heads, key_dim, v_end, device=w.device, dtype=torch.float32)
+    grid = (v_end // bv, plan.num_segments * heads)
+    kt._state_fwd_kernel[grid](
+        w, u, qg, kend, aqk, gc, out if out is not None else w, states if states is not None else w,
+        init if init is not None else seg_end, seg_end,
+        plan.seg_chunk0, plan.seg_nchunks, plan.chunk_bos, plan.chunk_eos, heads,
+        K=key_dim, V=value_dim, BV=bv, BT=CHUNK, V_END=v_end, HAS_INIT=init is not None,
+        TRANSITION=transition, STORE_OUTPUT=out is not None, STORE_STATES=states is not None,
+        DOT_PREC=cfg["dot"], num_warps=4, num_stages=2,
+    )
+    return seg_end
+
+
+def _segment_starts(kt, w, u, qg, kend, aqk, gc, plan, cfg, initial_state):
+    """Pass 1 + composition: (start state of every segment, transitions [NS, H, K, K])."""
+    heads, key_dim = w.shape[1], w.shape[2]
+    value_dim = u.shape[-1]
+    buf = _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, init=None, transition=True)
+    starts = torch.empty(plan.num_segments, heads, key_dim, value_dim, device=w.device, dtype=torch.float32)
+    bv = cfg["BV"]
+    kt._compose_fwd_kernel[(value_dim // bv, plan.num_seqs * heads)](
+        buf, initial_state if initial_state is not None else buf, starts, plan.seq_seg0, plan.seq_nseg, heads,
+        K=key_dim, V=value_dim, BV=bv, HAS_INIT=initial_state is not None, DOT_PREC=cfg["dot"], num_warps=8,
+    )
+    return starts, buf[..., value_dim:].contiguous()
+
+
+class _ChunkKDAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, gz, beta, A_log, dt_bias, initial_state, plan: _Plan, flags: _Flags):
+        from moe_lc_kernels import kda_triton as kt
+
+        cfg = _config(q, v)
+        w, u, qg, kend, aqk, gc, _ = _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan, flags, cfg, False)
+        init = None if initial_state is None else initial_state.float().contiguous()
+        transitions = None
+        if plan.segmented:
+            seg_init, transitions = _segment_starts(kt, w, u, qg, kend, aqk, gc, plan, cfg, init)
+        else:
+            seg_init = init
+        o = torch.empty_like(v)
+        seg_end = _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, init=seg_init, transition=False, out=o)
+        final = seg_end[plan.last_seg]
+        ctx.save_for_backward(q, k, v, gz, beta, A_log, dt_bias, seg_init, transitions)
+        ctx.plan, ctx.flags, ctx.has_init = plan, flags, initial_state is not None
+        ctx.init_dtype = None if initial_state is None else initial_state.dtype
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dfinal):
+        from moe_lc_kernels import kda_triton as kt
+
+        q, k, v, gz, beta, A_log, dt_bias, seg_init, transitions = ctx.saved_tensors
+        plan, flags = ctx.plan, ctx.flags
+        cfg = _config(q, v)
+        total, heads, key_dim = q.shape
+        value_dim = v.shape[-1]
+        bv = cfg["BV"]
+        do = do.contiguous()
+        w, u, qg, kend, aqk, gc, x = _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan, flags, cfg, True)
+        states = torch.empty(plan.num_chunks, heads, key_dim, value_dim, device=q.device, dtype=cfg["inter"])
+        _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, init=seg_init, transition=False, states=states)
+
+        dh = torch.empty_like(states)
+        ddelta = torch.empty(total, heads, value_dim, device=q.device, dtype=cfg["inter"])
+        dstart = torch.empty(plan.num_segments, heads, key_dim, value_dim, device=q.device, dtype=torch.float32)
+        dfinal = None if dfinal is None else dfinal.float().contiguous()
+        grid = (value_dim // bv, plan.num_segments * heads)
+        common = dict(K=key_dim, V=value_dim, BV=bv, BT=CHUNK, DOT_PREC=cfg["dot"], num_warps=4, num_stages=2)
+        if plan.segmented:
+            dpart = torch.empty_like(dstart)
+            kt._state_bwd_kernel[grid](qg, w, kend, aqk, gc, do, dh, ddelta, dstart, dpart,
+                                       plan.seg_chunk0, plan.seg_nchunks, plan.chunk_bos, plan.chunk_eos, heads,
+                                       HAS_INIT=False, STORE=False, **common)
+            dend = torch.empty_like(dstart)
+            kt._compose_bwd_kernel[(value_dim // bv, plan.num_seqs * heads)](
+                dpart, transitions, dfinal if dfinal is not None else dpart, dend, plan.seq_seg0, plan.seq_nseg,
+                heads, K=key_dim, V=value_dim, BV=bv, HAS_FINAL=dfinal is not None, DOT_PREC=cfg["dot"], num_warps=8)
+        else:
+            dend = dfinal
+        kt._state_bwd_kernel[grid](qg, w, kend, aqk, gc, do, dh, ddelta, dend if dend is not None else dstart,
+                                   dstart, plan.seg_chunk0, plan.seg_nchunks, plan.chunk_bos, plan.chunk_eos, heads,
+                                   HAS_INIT=dend is not None, STORE=True, **common)
+        del w, u, qg, kend, aqk
+
+        dq, dk, dv, dgz = (torch.empty_like(t) for t in (q, k, v, gz))
+        dbeta = torch.empty_like(beta)
+        gate = flags.gate_in_kernel
+        dA_part = torch.empty(plan.num_chunks, heads, device=q.device, dtype=torch.float32) if gate else gc
+        ddtb_part = (torch.empty(plan.num_chunks, heads, key_dim, device=q.device, dtype=torch.float32)
+                     if gate and dt_bias is not None else gc)
+        kt._bwd_intra_kernel[(plan.num_chunks, heads)](
+            q, k, v, gz, beta, A_log if A_log is not None else gc, dt_bias if dt_bias is not None else gc,
+            plan.chunk_bos, plan.chunk_eos, x, states, dh, ddelta, do,
+            dq, dk, dv, dgz, dbeta, dA_part, ddtb_part,
+            flags.scale, flags.lower_bound, heads,
+            K=key_dim, V=value_dim, BT=CHUNK, GATE_IN_KERNEL=gate, HAS_DT_BIAS=dt_bias is not None,
+            L2NORM=flags.l2norm, BETA_SIGMOID=flags.beta_sigmoid, DOT_PREC=cfg["dot"], num_warps=8, num_stages=1,
+        )
+        dA_log = dA_part.sum(0).to(A_log.dtype) if gate and A_log is not None and ctx.needs_input_grad[5] else None
+        ddt_bias = (ddtb_part.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)
+                    if gate and dt_bias is not None and ctx.needs_input_grad[6] else None)
+        dinit = dstart[plan.first_seg].to(ctx.init_dtype) if ctx.has_init else None
+        return dq, dk, dv, dgz, dbeta, dA_log, ddt_bias, dinit, None, None
+
+
+# ----------------------------------------------------------------------------- entry points
+def _check(name: str, q: Tensor, k: Tensor, v: Tensor, gz: Tensor, beta: Tensor, cu_seqlens, initial_state):
+    if q.dim() != 4 or k.shape != q.shape or gz.shape != q.shape:
+        raise ValueError(f"{name}: q, k and g/z must be [B, T, H, K] of one shape, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(gz.shape)}")
+    batch, seq_len, heads, key_dim = q.shape
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:
+        raise ValueError(f"{name}: v must be [B, T, H, V] and beta [B, T, H] matching q {tuple(q.shape)}")
+    value_dim = v.shape[-1]
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"{name}: the Triton kernels take fp32/bf16/fp16 inputs, got {q.dtype}; "
+                        f'use backend="torch" for float64')
+    for label, dim in (("K", key_dim), ("V", value_dim)):
+        if dim < 16 or dim > 256 or dim & (dim - 1):
+            raise ValueError(f"{name}: head dim {label}={dim} must be a power of two in [16, 256]; "
+                             f'use backend="torch" for other sizes')
+    if cu_seqlens is None:
+        lens = [seq_len] * batch
+    else:
+        if batch != 1:
+            raise ValueError(f"{name}: with cu_seqlens the documents are packed in one row, so B must be 1 "
+                             f"(got B={batch})")
+        bounds = cu_seqlens.detach().cpu().tolist()
+        if bounds[0] != 0 or bounds[-1] != seq_len or any(b <= a for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"{name}: cu_seqlens must rise strictly from 0 to T={seq_len}, got {bounds}")
+        lens = [b - a for a, b in zip(bounds, bounds[1:])]
+    if initial_state is not None and initial_state.shape != (len(lens), heads, key_dim, value_dim):
+        raise ValueError(f"{name}: initial_state must be [N, H, K, V] = {(len(lens), heads, key_dim, value_dim)}, "
+                         f"got {tuple(initial_state.shape)}")
+    return lens
+
+
+def _run(q, k, v, gz, beta, A_log, dt_bias, initial_state, output_final_state, cu_seqlens, flags,
+         segment_chunks, lens):
+    batch, seq_len, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    if segment_chunks == 0:
+        segment_chunks = None
+    elif segment_chunks is None:
+        segment_chunks = auto_segment_chunks([-(-n // CHUNK) for n in lens], heads, value_dim // min(64, value_dim),
+                                             q.device)
+    plan = build_plan(lens, q.device, segment_chunks)
+    flat = [t.reshape(batch * seq_len, *t.shape[2:]).contiguous() for t in (q, k, v, gz, beta)]
+    o, final = _ChunkKDAFunction.apply(*flat, A_log, dt_bias, initial_state, plan, flags)
+    return o.reshape(batch, seq_len, heads, value_dim), (final if output_final_state else None)
+
+
+def chunk_kda_fused(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    z: Tensor,
+    beta_logits: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor | None = None,
+    lower_bound: float = -5.0,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    segment_chunks: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """KDA from raw projections, everything fused: returns ``(o, final_state or None)``.
+
+    Computes ``q/|q|``, ``k/|k|`` (``x / sqrt(sum x^2 + 1e-6)``), ``g = lower_bound *
+    sigmoid(exp(A_log) * (z + dt_bias))``, ``beta = sigmoid(beta_logits)`` inside the kernels and
+    then :func:`moe_lc.ops.kda.chunk_kda`. Shapes as there; ``A_log`` [H], ``dt_bias`` [H*K] or
+    [H, K]. ``segment_chunks``: chunks per parallel segment (None: automatic, 0: never split).
+    Differentiable in q, k, v, z, beta_logits, A_log, dt_bias and initial_state.
+    """
+    if lower_bound is None or not lower_bound < 0 or lower_bound < -GATE_SPAN_LIMIT:
+        raise ValueError(f"chunk_kda_fused: lower_bound must be in [-{GATE_SPAN_LIMIT}, 0) (the bounded gate; got "
+                         f"{lower_bound}); for the unbounded softplus gate use moe_lc.ops.kda.chunk_kda with "
+                         f'backend="torch"')
+    lens = _check("chunk_kda_fused", q, k, v, z, beta_logits, cu_seqlens, initial_state)
+    heads, key_dim = q.shape[2], q.shape[3]
+    if A_log.shape != (heads,):
+        raise ValueError(f"chunk_kda_fused: A_log must be [H]=[{heads}], got {tuple(A_log.shape)}")
+    if dt_bias is not None:
+        if dt_bias.numel() != heads * key_dim:
+            raise ValueError(f"chunk_kda_fused: dt_bias must have H*K={heads * key_dim} entries, got {tuple(dt_bias.shape)}")
+    flags = _Flags(gate_in_kernel=True, l2norm=True, beta_sigmoid=True,
+                   scale=key_dim**-0.5 if scale is None else float(scale), lower_bound=float(lower_bound))
+    return _run(q, k, v, z, beta_logits, A_log, dt_bias, initial_state, output_final_state, cu_seqlens, flags,
+                segment_chunks, lens)
+
+
+def gate_is_bounded(g: Tensor) -> bool:
+    """Whether every per-step log-decay is within the span the dense tile path handles."""
+    return bool(g.numel() == 0 or float(g.min()) >= -GATE_SPAN_LIMIT)
+
+
+def chunk_kda_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    segment_chunks: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """The ``moe_lc.ops.kda`` backend signature on the Triton kernels (q, k, g, beta as given).
+
+    ``g`` must be a bounded log-decay (every step >= -5.5, e.g. :func:`kda_gate` with
+    ``lower_bound=-5``); for unbounded gates use the torch backend.
+    """
+    lens = _check("chunk_kda_triton", q, k, v, g, beta, cu_seqlens, initial_state)
+    if not gate_is_bounded(g):
+        raise ValueError(f"chunk_kda_triton: g reaches {float(g.min()):.3g} < -{GATE_SPAN_LIMIT}; the Triton kernels "
+                         f'need the bounded gate (kda_gate(..., lower_bound=-5)); use backend="torch" otherwise')
+    flags = _Flags(gate_in_kernel=False, l2norm=False, beta_sigmoid=False,
+                   scale=q.shape[-1] ** -0.5 if scale is None else float(scale), lower_bound=0.0)
+    return _run(q, k, v, g, beta, None, None, initial_state, output_final_state, cu_seqlens, flags,
+                segment_chunks, lens)
