@@ -69,17 +69,17 @@ class KDAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, T, _ = x.shape
-        H, K = self.cfg.num_heads, self.cfg.head_dim
-        q = F.silu(self.q_conv(self.q_proj(x), cu_seqlens)).view(B, T, H, K)
-        k = F.silu(self.k_conv(self.k_proj(x), cu_seqlens)).view(B, T, H, K)
-        v = F.silu(self.v_conv(self.v_proj(x), cu_seqlens)).view(B, T, H, K)
+        K = self.cfg.head_dim  # heads are read from the shapes (-1): tensor parallelism holds H/tp of them
+        q = F.silu(self.q_conv(self.q_proj(x), cu_seqlens)).view(B, T, -1, K)
+        k = F.silu(self.k_conv(self.k_proj(x), cu_seqlens)).view(B, T, -1, K)
+        v = F.silu(self.v_conv(self.v_proj(x), cu_seqlens)).view(B, T, -1, K)
         q = F.normalize(upcast(q), dim=-1).to(x.dtype)
         k = F.normalize(upcast(k), dim=-1).to(x.dtype)
         beta = torch.sigmoid(upcast(self.beta_proj(x)))
-        z = self.decay_up(self.decay_down(x)).view(B, T, H, K)
+        z = self.decay_up(self.decay_down(x)).view(B, T, -1, K)
         lower = self.cfg.g_min if self.cfg.gate == "bounded" else None
         g = kda_gate(z, self.A_log, self.dt_bias, lower_bound=lower)
         o, _ = chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=self.cfg.backend)
         o = self.o_norm(o)
-        gate = torch.sigmoid(self.gate_proj(x)).view(B, T, H, K)
-        return self.o_proj((gate * o.to(gate.dtype)).reshape(B, T, H * K))
+        gate = torch.sigmoid(self.gate_proj(x)).view(B, T, -1, K)
+        return self.o_proj((gate * o.to(gate.dtype)).reshape(B, T, -1))

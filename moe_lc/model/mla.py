@@ -60,9 +60,9 @@ class GatedMLA(nn.Module):
     def forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, T, _ = x.shape
         c = self.cfg
-        H = c.num_heads
         q = self.q_up(self.q_norm(self.q_down(x))) if c.q_lora_rank is not None else self.q_proj(x)
-        q = q.view(B, T, H, c.qk_dim)
+        q = q.view(B, T, -1, c.qk_dim)  # heads from the shape: H/tp under tensor parallelism
+        H = q.shape[2]
         kv = self.kv_up(self.kv_norm(self.kv_down(x))).view(B, T, H, c.qk_nope_dim + c.v_dim)
         k_nope, v = kv.split([c.qk_nope_dim, c.v_dim], dim=-1)
         if self.k_shared is not None:

@@ -115,6 +115,10 @@ class MoELCModel(nn.Module):
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h)[..., : self.cfg.vocab_size]
 
+    def lm_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Token cross-entropy of the LM head; vocab-parallel TP swaps in its own (moe_lc.parallel)."""
+        return language_model_loss(logits, labels)
+
     def hidden_states(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Final normalised hidden states [B, T, d]."""
         stream = ResidualStream.start(self.cfg.attn_res.mode, self.embed(input_ids))
@@ -136,7 +140,7 @@ class MoELCModel(nn.Module):
         logits = self.logits_from_hidden(h)
         if labels is None:
             return ModelOutput(loss=None, lm_loss=None, logits=logits)
-        lm_loss = language_model_loss(logits, labels)
+        lm_loss = self.lm_loss(logits, labels)
         loss = lm_loss
         mtp_loss = None
         if use_mtp:
@@ -160,4 +164,4 @@ class MoELCModel(nn.Module):
         if cu_seqlens is not None:  # never predict across a document boundary
             ends = cu_seqlens[1:].long() - 1
             mtp_labels[0, ends[ends >= 0]] = IGNORE_INDEX
-        return language_model_loss(self.logits_from_hidden(mtp_h), mtp_labels)
+        return self.lm_loss(self.logits_from_hidden(mtp_h), mtp_labels)
