@@ -204,9 +204,8 @@ def _state_fwd_kernel(w, u, qg, kend, aqk, gc, o, states, seg_init, seg_end,
     rk = tl.arange(0, K)
     cv = tl.arange(0, BV)
     cb = tl.arange(0, BT)
-    NV: tl.constexpr = V // BV
-    is_value = pv < NV
-    col = pv * BV + cv  # column in [0, V) for values
+    col = pv * BV + cv  # column in [0, V) for values, V + (transition column) past it
+    is_value = (col < V)[None, :]
     if HAS_INIT:
         S = tl.load(seg_init + ((seg.to(tl.int64) * H + h) * K + rk[:, None]) * V + col[None, :])
     else:
