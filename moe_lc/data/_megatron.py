@@ -1,7 +1,7 @@
 """The one place that imports megatron-core's indexed dataset (the `.bin`/`.idx` reader/writer).
 
-megatron-core warns at import time that Transformer Engine and Apex are missing; neither is
-used by its dataset module, so the warnings are silenced here rather than alarming users.
+megatron-core warns (and logs) at import time that Transformer Engine and Apex are missing;
+neither is used by its dataset module, so that noise is silenced here rather than alarming users.
 The import is lazy (it costs seconds) so that `import moe_lc.data` stays cheap.
 """
 
@@ -16,6 +16,9 @@ from types import ModuleType
 @functools.lru_cache(maxsize=None)
 def indexed_dataset_module() -> ModuleType:
     """megatron.core.datasets.indexed_dataset, imported once without its import-time warnings."""
+    megatron_logger = logging.getLogger("megatron")
+    previous_level = megatron_logger.level
+    megatron_logger.setLevel(logging.WARNING)  # its import also logs INFO lines about fused kernels
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -25,6 +28,8 @@ def indexed_dataset_module() -> ModuleType:
             "moe_lc.data needs megatron-core to read and write .bin/.idx files; "
             "install it with: pip install 'megatron-core>=0.14,<0.17'"
         ) from err
+    finally:
+        megatron_logger.setLevel(previous_level)
     # Its reader logs an INFO line per dataset opened; keep our own logs readable.
     logging.getLogger(indexed_dataset.__name__).setLevel(logging.WARNING)
     return indexed_dataset

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from moe_lc.data import _megatron
-from moe_lc.data.prepare import read_meta, require_indexed
+from moe_lc.data.prepare import bin_path, read_meta, require_indexed
 
 IGNORE_INDEX = -100  # == moe_lc.model.transformer.IGNORE_INDEX
 MAX_BLEND_PERIOD = 1 << 16  # weights are realised exactly if they are multiples of 1/P for some P <= this
@@ -133,6 +133,8 @@ class _SourceStream:
 
     def __init__(self, prefix: str, index: int, seq_len: int, seed: int):
         require_indexed(prefix)
+        if bin_path(prefix).stat().st_size == 0:  # (megatron-core cannot memory-map an empty file)
+            raise ValueError(f"data source {prefix!r} holds no tokens; re-run `moe-lc prepare-data` on non-empty inputs")
         self.prefix, self.index, self.seq_len, self.seed = prefix, index, seq_len, seed
         self.dataset = _megatron.open_indexed(prefix)
         self.doc_lengths = np.asarray(self.dataset.sequence_lengths, dtype=np.int64)

@@ -45,7 +45,7 @@ class PrepareStats:
     def summary(self) -> str:
         return (
             f"wrote {self.documents:,} documents, {self.tokens:,} tokens (EOD included) from "
-            f"{self.files:,} files to {self.prefix}.bin/.idx with tokenizer {self.tokenizer.get('tokenizer')} "
+            f"{self.files:,} files to {self.prefix} (.bin/.idx) with tokenizer {self.tokenizer.get('tokenizer')} "
             f"(vocab {self.tokenizer.get('vocab_size')})"
             + (f"; skipped {self.skipped_empty:,} empty documents" if self.skipped_empty else "")
         )
