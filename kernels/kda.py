@@ -269,7 +269,7 @@ def _check(name: str, q: Tensor, k: Tensor, v: Tensor, gz: Tensor, beta: Tensor,
         raise TypeError(f"{name}: the Triton kernels take fp32/bf16/fp16 inputs, got {q.dtype}; "
                         f'use backend="torch" for float64')
     for label, dim in (("K", key_dim), ("V", value_dim)):
-        if dim < 16 or dim > 256 or dim & (dim - 1):
+        if not kernel_head_dim_ok(dim):
             raise ValueError(f"{name}: head dim {label}={dim} must be a power of two in [16, 256]; "
                              f'use backend="torch" for other sizes')
     if cu_seqlens is None:
@@ -341,6 +341,11 @@ def chunk_kda_fused(
                    scale=key_dim**-0.5 if scale is None else float(scale), lower_bound=float(lower_bound))
     return _run(q, k, v, z, beta_logits, A_log, dt_bias, initial_state, output_final_state, cu_seqlens, flags,
                 segment_chunks, lens)
+
+
+def kernel_head_dim_ok(dim: int) -> bool:
+    """Head dims the kernels take: powers of two in [16, 256]."""
+    return 16 <= dim <= 256 and dim & (dim - 1) == 0
 
 
 def gate_is_bounded(g: Tensor) -> bool:

@@ -37,8 +37,9 @@ same-sign partial sums of g, never as a product with 1/Gamma (see ``_kda_chunk``
 Packed documents (``cu_seqlens``, FlashAttention convention) are independent sequences: the state
 restarts from the document's initial state (or zero) at every boundary.
 
-Backends: :func:`chunk_kda` dispatches on ``backend``; ``"torch"`` is the reference here and
-``"auto"`` picks the first registered backend (fast ones first) that supports the inputs.
+Backends: :func:`chunk_kda` dispatches on ``backend``; ``"torch"`` is the reference here,
+``"triton"`` (moe_lc_kernels) and ``"fla"`` (flash-linear-attention) run on CUDA when installed,
+and ``"auto"`` picks the first of triton, fla, torch that supports the inputs.
 Fast kernels plug in with :func:`register_kda_backend`.
 """
 
@@ -269,7 +270,13 @@ def _resolve_backend(name: str, q: Tensor) -> KDABackend:
                 return fn
         raise RuntimeError(f"chunk_kda: no registered backend supports these inputs ({q.device}, {q.dtype})")
     if name in _BACKENDS:
-        return _BACKENDS[name][0]
+        fn, supports = _BACKENDS[name]
+        if not supports(q):
+            raise NotImplementedError(
+                f'chunk_kda: backend "{name}" is not available for these inputs ({q.device}, {q.dtype}; it needs '
+                f'CUDA and its package installed); use backend="torch" (or "auto")'
+            )
+        return fn
     if name in _PLANNED_BACKENDS:
         raise NotImplementedError(
             f'chunk_kda: backend "{name}" is not available yet; use backend="torch" (or "auto"), '
@@ -279,6 +286,45 @@ def _resolve_backend(name: str, q: Tensor) -> KDABackend:
 
 
 register_kda_backend("torch", chunk_kda_torch)
+
+
+# ----------------------------------------------------------------------------- GPU kernels (lazy)
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _kernel_takes(q: Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _triton_backend(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    """moe_lc_kernels' Triton kernels; inputs they cannot take (unbounded gates, head dims that
+    are not powers of two in [16, 256]) run on the torch reference instead."""
+    from moe_lc_kernels.kda import chunk_kda_triton, gate_is_bounded, kernel_head_dim_ok
+
+    if not (gate_is_bounded(g) and kernel_head_dim_ok(q.shape[-1]) and kernel_head_dim_ok(v.shape[-1])):
+        return chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    return chunk_kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
+def _fla_backend(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    """flash-linear-attention's chunk_kda (``pip install fla-core``), the public baseline."""
+    try:
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+    except ImportError as exc:
+        raise RuntimeError('chunk_kda: backend "fla" needs flash-linear-attention (pip install fla-core)') from exc
+    from moe_lc_kernels.kda import gate_is_bounded
+
+    return fla_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, safe_gate=gate_is_bounded(g),
+                         cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
+
+
+register_kda_backend("triton", _triton_backend,
+                     lambda q: _kernel_takes(q) and _installed("triton") and _installed("moe_lc_kernels"))
+register_kda_backend("fla", _fla_backend, lambda q: _kernel_takes(q) and _installed("fla"))
 
 
 def chunk_kda(
