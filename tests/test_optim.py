@@ -30,6 +30,7 @@ from moe_lc.optim import (
     rms_matching_scale,
     warmup_steps,
 )
+from moe_lc.optim.muon import shard_holds_whole_blocks
 from moe_lc.optim.newton_schulz import QUINTIC
 from moe_lc.presets import get_preset
 
@@ -175,7 +176,7 @@ def test_per_head_muon_equals_muon_on_each_block(head_axis):
     w0 = torch.randn(shape, dtype=torch.float64)
     grads = random_grads([shape], 3, seed=7)
     joint = torch.nn.Parameter(w0.clone())
-    run_steps([joint], grads, Muon([{"params": [joint], "heads": heads, "head_axis": head_axis}], lr=0.02))
+    run_steps([joint], grads, Muon([{"params": [joint], "head_dim": hd, "head_axis": head_axis}], lr=0.02))
 
     blocks = [torch.nn.Parameter(b.clone()) for b in w0.chunk(heads, dim=head_axis)]
     block_grads = [[gb for gb in g.chunk(heads, dim=head_axis)] for (g,) in grads]
@@ -214,8 +215,10 @@ def test_adamw_groups_inside_muon_match_torch_adamw():
 def test_muon_rejects_vectors_and_bad_head_splits():
     with pytest.raises(ValueError, match="muon_param_groups"):
         Muon([torch.nn.Parameter(torch.zeros(8))])
-    with pytest.raises(ValueError, match="multiple of heads"):
-        Muon([{"params": [torch.nn.Parameter(torch.zeros(10, 4))], "heads": 3}])
+    with pytest.raises(ValueError, match="not a multiple of 3"):
+        Muon([{"params": [torch.nn.Parameter(torch.zeros(10, 4))], "head_dim": 3}])
+    with pytest.raises(ValueError, match="head_axis"):
+        Muon([{"params": [torch.nn.Parameter(torch.zeros(12, 4))], "head_dim": 3, "head_axis": 2}])
     with pytest.raises(ValueError, match="momentum"):
         Muon([torch.nn.Parameter(torch.zeros(4, 4))], momentum=1.0)
 
@@ -234,35 +237,42 @@ def test_roles_on_the_tiny_model():
         assert role.decay == (not expect_no_decay), name
         assert role.muon == (role.decay and name not in ("embed.weight", "lm_head.weight")), name
     assert roles["layers.1.ffn.experts.w_gate"].muon
-    # heads: KDA rows, MLA rows, output projections by columns; everything else whole
-    kda, mla = get_preset("tiny").kda.num_heads, get_preset("tiny").mla.num_heads
+    # head blocks: KDA and MLA projections by rows, output projections by columns; the rest whole (0)
+    cfg = get_preset("tiny")
+    kda, mla = cfg.kda.head_dim, cfg.mla
     by_heads = {
         "layers.0.attn.q_proj.weight": (kda, 0),
         "layers.0.attn.v_proj.weight": (kda, 0),
         "layers.0.attn.decay_up.weight": (kda, 0),
         "layers.0.attn.gate_proj.0.weight": (kda, 0),
         "layers.0.attn.o_proj.weight": (kda, 1),
-        "layers.0.attn.decay_down.weight": (1, 0),
-        "layers.3.attn.q_up.weight": (mla, 0),
-        "layers.3.attn.kv_up.weight": (mla, 0),
-        "layers.3.attn.gate_proj.weight": (mla, 0),
-        "layers.3.attn.o_proj.weight": (mla, 1),
-        "layers.3.attn.kv_down.weight": (1, 0),
-        "layers.1.ffn.router.weight": (1, 0),
+        "layers.0.attn.decay_down.weight": (0, 0),
+        "layers.3.attn.q_up.weight": (mla.qk_nope_dim + mla.qk_rope_dim, 0),
+        "layers.3.attn.kv_up.weight": (mla.qk_nope_dim + mla.v_dim, 0),
+        "layers.3.attn.gate_proj.weight": (mla.v_dim, 0),
+        "layers.3.attn.o_proj.weight": (mla.v_dim, 1),
+        "layers.3.attn.kv_down.weight": (0, 0),
+        "layers.1.ffn.router.weight": (0, 0),
     }
-    for name, (heads, axis) in by_heads.items():
-        assert (roles[name].heads, roles[name].head_axis) == (heads, axis), name
+    for name, (head_dim, axis) in by_heads.items():
+        assert (roles[name].head_dim, roles[name].head_axis) == (head_dim, axis), name
+    params = dict(model.named_parameters())
+    for name in by_heads:  # every tagged block count is the preset's head count
+        r = roles[name]
+        if r.head_dim:
+            n_heads = cfg.kda.num_heads if ".0.attn" in name else mla.num_heads
+            assert params[name].shape[r.head_axis] == n_heads * r.head_dim, name
     flat = {r.name: r for r, _ in parameter_roles(model, per_head=False)}
-    assert all(r.heads == 1 for r in flat.values())
+    assert all(r.head_dim == 0 for r in flat.values())
 
 
 def test_head_tags_follow_low_rank_gate_and_direct_q():
     """Kimi-Linear layout (meta device): low-rank output gate, q projected from x without q_lora."""
     model = build_model(get_preset("kimi-linear-48b"), device="meta")
     roles = {role.name: role for role, _ in parameter_roles(model)}
-    assert roles["layers.0.attn.gate_proj.1.weight"].heads == 32
-    assert roles["layers.0.attn.gate_proj.0.weight"].heads == 1
-    assert roles["layers.3.attn.q_proj.weight"].heads == 32
+    assert roles["layers.0.attn.gate_proj.1.weight"].head_dim == 128
+    assert roles["layers.0.attn.gate_proj.0.weight"].head_dim == 0
+    assert roles["layers.3.attn.q_proj.weight"].head_dim == 128 + 64
 
 
 def test_groups_partition_the_parameters():
@@ -276,7 +286,7 @@ def test_groups_partition_the_parameters():
             r = roles[id(p)]
             assert g["use_muon"] == r.muon and (g["weight_decay"] > 0) == r.decay
             if g["use_muon"]:
-                assert (g["heads"], g["head_axis"]) == (r.heads, r.head_axis)
+                assert (g["head_dim"], g["head_axis"]) == (r.head_dim, r.head_axis)
     adam = param_groups(model, weight_decay=0.1)
     assert sum(len(g["params"]) for g in adam) == len(roles)
     for g in adam:
@@ -443,23 +453,27 @@ def _sharded_worker(rank: int, world: int, port: int) -> None:
     try:
         mesh = init_device_mesh("cpu", (world,))
         torch.manual_seed(0)  # same tensors on every rank
-        cases = [  # (shape, placement, heads, head_axis)
-            ((12, 10), Shard(0), 1, 0),  # FSDP-style rows: gathered
-            ((12, 10), Shard(1), 1, 0),
-            ((12, 10), Shard(0), 3, 0),  # per-head rows, shards cut through heads
-            ((10, 12), Shard(0), 2, 1),  # per-head columns
-            ((4, 6, 5), Shard(0), 1, 0),  # experts sharded on the expert dim: local
-            ((6, 8), Replicate(), 1, 0),
+        cases = [  # (shape, placement, head_dim, head_axis, NS runs on the local shard)
+            ((12, 10), Shard(0), 0, 0, False),  # FSDP-style row shards of a plain matrix: gathered
+            ((12, 10), Shard(1), 0, 0, False),
+            ((12, 10), Shard(0), 4, 0, False),  # 3 heads over 2 ranks: a shard cuts a head
+            ((10, 12), Shard(0), 6, 1, False),  # per-head columns, sharded by rows
+            ((16, 10), Shard(0), 4, 0, True),  # TP column-parallel: 2 whole heads per rank
+            ((10, 16), Shard(1), 4, 1, True),  # TP row-parallel output projection
+            ((4, 6, 5), Shard(0), 0, 0, True),  # experts sharded on the expert dim (EP)
+            ((6, 8), Replicate(), 0, 0, True),
         ]
         inits = [torch.randn(shape, dtype=torch.float64) for shape, *_ in cases]
         grads = [[torch.randn(shape, dtype=torch.float64) for shape, *_ in cases] for _ in range(2)]
         ref = [torch.nn.Parameter(w.clone()) for w in inits]
         sharded = [
-            torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [pl])) for w, (_, pl, _, _) in zip(inits, cases)
+            torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [pl])) for w, (_, pl, *_) in zip(inits, cases)
         ]
+        for q, (_, _, hd, axis, local) in zip(sharded, cases):
+            assert shard_holds_whole_blocks(q, hd, axis) == local
 
         def groups(params):
-            return [{"params": [p], "heads": h, "head_axis": a} for p, (_, _, h, a) in zip(params, cases)]
+            return [{"params": [p], "head_dim": hd, "head_axis": a} for p, (_, _, hd, a, _) in zip(params, cases)]
 
         ref_opt, opt = Muon(groups(ref), lr=0.05), Muon(groups(sharded), lr=0.05)
         for step_grads in grads:

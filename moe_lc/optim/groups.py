@@ -16,8 +16,10 @@ the originals):
   A parameter of a module type this file does not know also lands here: decay and
   Muon are opt-in.
 
-Per-head Muon (SPEC 2.6): attention projections are tagged with their head count and the
-axis that holds the heads (0: output rows [H * head_dim], 1: input columns).
+Per-head Muon (SPEC 2.6): attention projections are tagged with the size of one head's
+block (`head_dim`) and the axis that holds the heads (0: output rows [H * head_dim],
+1: input columns). A block size, not a head count: it stays right for a tensor-parallel
+shard holding H/tp heads and for checkpoints loaded under another layout.
 """
 
 from __future__ import annotations
@@ -41,31 +43,31 @@ class ParamRole:
     name: str
     muon: bool  # a hidden matrix that Muon may orthogonalise
     decay: bool
-    heads: int = 1  # head blocks for per-head Muon
+    head_dim: int = 0  # rows/columns per head block for per-head Muon; 0 = the whole matrix
     head_axis: int = ROWS
 
 
 def _head_layout(model: nn.Module) -> dict[int, tuple[int, int]]:
-    """id(weight) -> (heads, axis) for every attention projection with per-head structure."""
+    """id(weight) -> (head block size, axis) for every attention projection with per-head structure."""
     layout: dict[int, tuple[int, int]] = {}
 
-    def tag(linear: nn.Linear | None, heads: int, axis: int) -> None:
+    def tag(linear: nn.Linear | None, head_dim: int, axis: int) -> None:
         if linear is not None:
-            layout[id(linear.weight)] = (heads, axis)
+            layout[id(linear.weight)] = (head_dim, axis)
 
     for module in model.modules():
         if isinstance(module, KDAttention):
-            h = module.cfg.num_heads
+            k = module.cfg.head_dim
             for proj in (module.q_proj, module.k_proj, module.v_proj, module.decay_up, module.gate_proj[-1]):
-                tag(proj, h, ROWS)
-            tag(module.o_proj, h, COLUMNS)
+                tag(proj, k, ROWS)
+            tag(module.o_proj, k, COLUMNS)
         elif isinstance(module, GatedMLA):
-            h = module.cfg.num_heads
-            # q rows: [H * (nope + shared)]; kv_up rows: [H * (nope + v)], one block per head
-            tag(module.q_up if hasattr(module, "q_up") else module.q_proj, h, ROWS)
-            tag(module.kv_up, h, ROWS)
-            tag(module.gate_proj, h, ROWS)
-            tag(module.o_proj, h, COLUMNS)
+            c = module.cfg
+            # q rows [H * (nope + shared)]; kv_up rows [H * (nope + v)]; gate rows and o_proj columns [H * v]
+            tag(module.q_up if hasattr(module, "q_up") else module.q_proj, c.qk_dim, ROWS)
+            tag(module.kv_up, c.qk_nope_dim + c.v_dim, ROWS)
+            tag(module.gate_proj, c.v_dim, ROWS)
+            tag(module.o_proj, c.v_dim, COLUMNS)
     return layout
 
 
@@ -84,8 +86,8 @@ def parameter_roles(model: nn.Module, per_head: bool = True) -> list[tuple[Param
             if isinstance(module, nn.Embedding) or (isinstance(module, nn.Linear) and leaf == "lm_head"):
                 role = ParamRole(name, muon=False, decay=param_name == "weight")
             elif isinstance(module, nn.Linear) and param_name == "weight":
-                heads, axis = heads_of.get(id(p), (1, ROWS))
-                role = ParamRole(name, muon=True, decay=True, heads=heads, head_axis=axis)
+                head_dim, axis = heads_of.get(id(p), (0, ROWS))
+                role = ParamRole(name, muon=True, decay=True, head_dim=head_dim, head_axis=axis)
             elif isinstance(module, RoutedExperts):
                 role = ParamRole(name, muon=True, decay=True)
             else:
@@ -107,27 +109,28 @@ def param_groups(model: nn.Module, weight_decay: float = 0.1) -> list[dict[str, 
 
 
 def muon_param_groups(model: nn.Module, per_head: bool = True, weight_decay: float = 0.1) -> list[dict[str, Any]]:
-    """Groups for `Muon`: one Muon group per (heads, head_axis) layout, then AdamW decay / no-decay groups.
+    """Groups for `Muon`: one Muon group per (head_dim, head_axis) layout, then AdamW decay / no-decay groups.
 
-    Group options: use_muon (bool), heads (int), head_axis (0 rows / 1 columns), weight_decay, role.
+    Group options: use_muon (bool), head_dim (int, 0 = whole matrix), head_axis (0 rows / 1 columns),
+    weight_decay, role (a label for logs).
     """
     muon: "OrderedDict[tuple[int, int], list[torch.Tensor]]" = OrderedDict()
     decay, no_decay = [], []
     for role, p in parameter_roles(model, per_head=per_head):
         if role.muon:
-            muon.setdefault((role.heads, role.head_axis), []).append(p)
+            muon.setdefault((role.head_dim, role.head_axis), []).append(p)
         else:
             (decay if role.decay else no_decay).append(p)
     groups: list[dict[str, Any]] = [
         {
             "params": params,
             "use_muon": True,
-            "heads": heads,
+            "head_dim": head_dim,
             "head_axis": axis,
             "weight_decay": weight_decay,
-            "role": "muon" if heads == 1 else f"muon_{heads}heads_{'rows' if axis == ROWS else 'columns'}",
+            "role": f"muon_head{head_dim}_{'rows' if axis == ROWS else 'columns'}" if head_dim else "muon",
         }
-        for (heads, axis), params in muon.items()
+        for (head_dim, axis), params in muon.items()
     ]
     groups += [
         {"params": decay, "use_muon": False, "weight_decay": weight_decay, "role": "adamw_decay"},

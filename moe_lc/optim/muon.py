@@ -4,7 +4,7 @@ Muon group (use_muon=True), per parameter W with gradient G:
 
     B <- mu B + G                                   (momentum buffer, state "momentum_buffer")
     U = G + mu B  (Nesterov)   or   U = B
-    O = NS(U) per block * 0.2 sqrt(max(m, n))       (blocks: experts, and heads when heads > 1)
+    O = NS(U) per block * 0.2 sqrt(max(m, n))       (blocks: experts, and heads when head_dim > 0)
     W <- (1 - lr wd) W - lr O                       (decoupled weight decay)
 
 AdamW group (use_muon=False): torch's AdamW update (decoupled decay), with the same state
@@ -17,10 +17,10 @@ without a gradient still gets (zero) state at the first step, though no update: 
 strict load wants state for every trainable parameter, and some never see a gradient
 (the AttnRes pseudo-query of the first sublayer mixes a single source).
 
-Sharded parameters (DTensor, e.g. FSDP2 or TP): Newton-Schulz needs whole matrices. When every
-shard holds whole matrices (stacked experts [E, out, in] sharded on the expert dim, or a
-replicated weight) the local shard is orthogonalised in place, with no communication.
-Otherwise the update is gathered with `full_tensor()` (an all-gather of the full matrix
+Sharded parameters (DTensor, e.g. FSDP2 or TP): Newton-Schulz needs whole blocks. When every
+shard holds whole blocks -- stacked experts [E, out, in] sharded on the expert dim (EP),
+a replicated weight, or a per-head projection sharded along its head axis in whole heads
+(TP) -- the local shard is orthogonalised where it is, with no communication. Otherwise the update is gathered with `full_tensor()` (an all-gather of the full matrix
 on every rank of the mesh), orthogonalised redundantly on every rank, and each rank keeps
 its own slice (`distribute_tensor(..., src_data_rank=None)`: no second communication).
 Cost: one all-gather and the full NS compute (O(m n min(m, n)) per step) per sharded
@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch.optim.adam import adam as adam_update
 
-from moe_lc.optim.newton_schulz import orthogonalized_update
+from moe_lc.optim.newton_schulz import check_head_split, orthogonalized_update
 
 try:  # torch.distributed may be absent from some builds
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -44,22 +44,39 @@ except ImportError:  # pragma: no cover
 ParamsT = Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]]
 
 
-def _holds_whole_matrices(u: "DTensor") -> bool:
-    """True when each rank's shard is a set of complete [m, n] matrices (sharded on a batch dim only)."""
+def shard_holds_whole_blocks(u: "DTensor", head_dim: int, head_axis: int) -> bool:
+    """True when each rank's shard is made of complete blocks, so NS can run on it locally.
+
+    Allowed: Replicate; Shard of a batch (expert) dim; one even Shard of the head axis whose
+    every piece is a whole number of heads. Anything else (Partial, FSDP's row shards of a
+    plain matrix, strided shards) needs the full matrix.
+    """
     batch_dims = u.ndim - 2
-    return all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim < batch_dims) for p in u.placements)
+    head_dim_index = batch_dims + head_axis if head_dim else None
+    head_shards = 0
+    for mesh_dim, placement in enumerate(u.placements):
+        if isinstance(placement, Replicate):
+            continue
+        if type(placement) is not Shard:
+            return False
+        if placement.dim < batch_dims:
+            continue
+        if placement.dim != head_dim_index or u.shape[placement.dim] % (u.device_mesh.size(mesh_dim) * head_dim):
+            return False
+        head_shards += 1
+    return head_shards <= 1
 
 
-def muon_direction(u: torch.Tensor, heads: int, head_axis: int, steps: int) -> torch.Tensor:
+def muon_direction(u: torch.Tensor, head_dim: int, head_axis: int, steps: int) -> torch.Tensor:
     """Scaled, orthogonalised update for a plain tensor or a DTensor (same placements as u)."""
     if DTensor is None or not isinstance(u, DTensor):
-        return orthogonalized_update(u, heads, head_axis, steps)
-    if heads == 1 and _holds_whole_matrices(u):
-        local = orthogonalized_update(u.to_local(), 1, head_axis, steps)
+        return orthogonalized_update(u, head_dim, head_axis, steps)
+    if shard_holds_whole_blocks(u, head_dim, head_axis):
+        local = orthogonalized_update(u.to_local(), head_dim, head_axis, steps)
         return DTensor.from_local(
             local, u.device_mesh, u.placements, run_check=False, shape=u.shape, stride=u.stride()
         )
-    full = orthogonalized_update(u.full_tensor(), heads, head_axis, steps)
+    full = orthogonalized_update(u.full_tensor(), head_dim, head_axis, steps)
     return distribute_tensor(full, u.device_mesh, u.placements, src_data_rank=None)
 
 
@@ -96,7 +113,7 @@ class Muon(torch.optim.Optimizer):
             lr=lr,
             weight_decay=weight_decay,
             use_muon=True,
-            heads=1,
+            head_dim=0,
             head_axis=0,
             momentum=momentum,
             nesterov=nesterov,
@@ -116,18 +133,13 @@ class Muon(torch.optim.Optimizer):
 
     @staticmethod
     def _check_muon_group(group: dict[str, Any]) -> None:
-        heads, axis = group["heads"], group["head_axis"]
         for p in group["params"]:
             if p.ndim < 2:
                 raise ValueError(
                     f"Muon group holds a parameter of shape {tuple(p.shape)}; vectors and scalars belong in an "
                     "AdamW group (use_muon=False): build groups with moe_lc.optim.muon_param_groups(model)"
                 )
-            if heads > 1 and (axis not in (0, 1) or p.shape[-2 + axis] % heads):
-                raise ValueError(
-                    f"Muon group with heads={heads}, head_axis={axis} holds a parameter of shape "
-                    f"{tuple(p.shape)} whose axis is not a multiple of heads; fix the group's heads/head_axis"
-                )
+            check_head_split(p.shape, group["head_dim"], group["head_axis"])
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
@@ -154,7 +166,7 @@ class Muon(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.mul_(mu).add_(g)
             u = g.add(buf, alpha=mu) if group["nesterov"] else buf
-            direction = muon_direction(u, group["heads"], group["head_axis"], group["ns_steps"])
+            direction = muon_direction(u, group["head_dim"], group["head_axis"], group["ns_steps"])
             if wd != 0:
                 p.mul_(1 - lr * wd)
             p.add_(direction.to(p.dtype), alpha=-lr)

@@ -61,45 +61,55 @@ def rms_matching_scale(rows: int, cols: int) -> float:
     return 0.2 * math.sqrt(max(rows, cols))
 
 
-def split_blocks(w: torch.Tensor, heads: int, head_axis: int) -> torch.Tensor:
-    """[..., m, n] -> [B, m', n'] matrices to orthogonalise separately.
-
-    Leading dims (experts) are batch. heads > 1 splits each matrix into `heads` blocks along
-    head_axis (0: rows, for projections whose outputs are [H * head_dim]; 1: columns, for
-    output projections that read [H * head_dim]).
-    """
-    if w.ndim < 2:
-        raise ValueError(f"a Muon parameter must be a matrix or a stack of matrices, got shape {tuple(w.shape)}")
-    m, n = w.shape[-2:]
-    x = w.reshape(-1, m, n)
-    if heads == 1:
-        return x
+def check_head_split(shape: torch.Size, head_dim: int, head_axis: int) -> None:
+    """A clear error when a [..., m, n] matrix cannot be cut into blocks of head_dim along head_axis."""
+    if len(shape) < 2:
+        raise ValueError(f"a Muon parameter must be a matrix or a stack of matrices, got shape {tuple(shape)}")
+    if head_dim == 0:
+        return
     if head_axis not in (0, 1):
         raise ValueError(f"head_axis={head_axis} must be 0 (rows) or 1 (columns)")
-    size = (m, n)[head_axis]
-    if size % heads:
+    size = shape[-2 + head_axis]
+    if head_dim < 0 or size % head_dim:
         raise ValueError(
-            f"cannot split a {m}x{n} matrix into {heads} head blocks along axis {head_axis}: "
-            f"{size} is not a multiple of {heads}; fix the 'heads' of its param group"
+            f"cannot cut a {shape[-2]}x{shape[-1]} matrix into head blocks of {head_dim} along axis {head_axis}: "
+            f"{size} is not a multiple of {head_dim}; fix the 'head_dim' of its param group"
         )
+
+
+def split_blocks(w: torch.Tensor, head_dim: int, head_axis: int) -> torch.Tensor:
+    """[..., m, n] -> [B, m', n'] matrices to orthogonalise separately.
+
+    Leading dims (experts) are batch. head_dim > 0 cuts each matrix into blocks of head_dim
+    rows (head_axis 0: projections whose outputs are [H * head_dim]) or columns (head_axis 1:
+    output projections that read [H * head_dim]); 0 keeps the whole matrix. A block size
+    rather than a head count, so that a tensor-parallel shard holding H/tp heads splits
+    the same way as the full matrix.
+    """
+    check_head_split(w.shape, head_dim, head_axis)
+    m, n = w.shape[-2:]
+    x = w.reshape(-1, m, n)
+    if head_dim == 0:
+        return x
     if head_axis == 0:
-        return x.reshape(-1, m // heads, n)
-    return x.reshape(-1, m, heads, n // heads).transpose(1, 2).reshape(-1, m, n // heads)
+        return x.reshape(-1, head_dim, n)
+    heads = n // head_dim
+    return x.reshape(-1, m, heads, head_dim).transpose(1, 2).reshape(-1, m, head_dim)
 
 
-def merge_blocks(blocks: torch.Tensor, shape: torch.Size, heads: int, head_axis: int) -> torch.Tensor:
+def merge_blocks(blocks: torch.Tensor, shape: torch.Size, head_dim: int, head_axis: int) -> torch.Tensor:
     """Inverse of `split_blocks`."""
     m, n = shape[-2:]
-    if heads > 1 and head_axis == 1:
-        blocks = blocks.reshape(-1, heads, m, n // heads).transpose(1, 2)
+    if head_dim and head_axis == 1:
+        blocks = blocks.reshape(-1, n // head_dim, m, head_dim).transpose(1, 2)
     return blocks.reshape(shape)
 
 
 def orthogonalized_update(
-    update: torch.Tensor, heads: int = 1, head_axis: int = 0, steps: int = 5, dtype: Optional[torch.dtype] = None
+    update: torch.Tensor, head_dim: int = 0, head_axis: int = 0, steps: int = 5, dtype: Optional[torch.dtype] = None
 ) -> torch.Tensor:
     """The scaled Muon direction for one (local, full) parameter: NS per block, times the RMS-matching scale."""
-    blocks = split_blocks(update, heads, head_axis)
+    blocks = split_blocks(update, head_dim, head_axis)
     ortho = newton_schulz(blocks, steps, dtype=dtype)
     ortho = ortho * rms_matching_scale(*blocks.shape[-2:])
-    return merge_blocks(ortho, update.shape, heads, head_axis)
+    return merge_blocks(ortho, update.shape, head_dim, head_axis)
