@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -116,6 +117,9 @@ def test_deterministic_random_access(sources):
         assert torch.equal(x.cu_seqlens, y.cu_seqlens) and x.source == y.source
     c = PackedDataset(srcs, seq_len=50, seed=4, eod_id=EOD)
     assert any(not torch.equal(a[i].input_ids, c[i].input_ids) for i in range(20))
+    # DataLoader workers get a pickled copy: it must serve the same samples.
+    clone = pickle.loads(pickle.dumps(a))
+    assert all(torch.equal(clone[i].input_ids, a[i].input_ids) for i in idx[:10])
 
 
 @pytest.mark.parametrize("weights", [[0.5, 0.3, 0.2], [1.0, 2.0, 2.0, 5.0], [1.0, math.sqrt(2.0), math.pi]])
@@ -162,6 +166,8 @@ def test_bad_inputs_raise_clear_errors(sources, tmp_path):
         PackedDataset([DataSource(prefix, 1.0), DataSource(prefix, 0.0)], seq_len=16)
     with pytest.raises(ValueError, match="weights must be finite and > 0"):
         PackedDataset([DataSource(prefix, float("nan"))], seq_len=16)
+    with pytest.raises(ValueError, match="seed must be >= 0"):
+        PackedDataset([DataSource(prefix)], seq_len=16, seed=-1)
     with pytest.raises(ValueError, match="mixture is empty"):
         PackedDataset([], seq_len=16)
     with pytest.raises(ValueError, match="tokenizer mismatch.*eod_id=256"):

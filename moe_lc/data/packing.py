@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import NamedTuple, Optional, Sequence, Union
 
 import numpy as np
@@ -202,6 +201,8 @@ class PackedDataset:
             raise ValueError("the data mixture is empty: give at least one DataSource(prefix, weight)")
         if not isinstance(seq_len, (int, np.integer)) or seq_len <= 1:
             raise ValueError(f"seq_len must be an integer > 1 (an input and its next-token label), got {seq_len!r}")
+        if int(seed) < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
         self.seq_len, self.seed = int(seq_len), int(seed)
         self.schedule = BlendSchedule([s.weight for s in self.sources])
         self.eod_id = self._agree_on_eod(eod_id)
