@@ -118,7 +118,7 @@ class _Flags:
 
 def _config(q: Tensor, v: Tensor) -> dict:
     inter = torch.float32 if q.dtype == torch.float32 else torch.bfloat16
-    return dict(inter=inter, dot="ieee" if inter == torch.float32 else "tf32", BV=min(64, v.shape[-1]))
+    return dict(inter=inter, dot="ieee" if inter == torch.float32 else "tf32", BV=min(64, q.shape[-1], v.shape[-1]))
 
 
 def _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan: _Plan, flags: _Flags, cfg: dict, store_x: bool):
@@ -295,8 +295,8 @@ def _run(q, k, v, gz, beta, A_log, dt_bias, initial_state, output_final_state, c
     if segment_chunks == 0:
         segment_chunks = None
     elif segment_chunks is None:
-        segment_chunks = auto_segment_chunks([-(-n // CHUNK) for n in lens], heads, value_dim // min(64, value_dim),
-                                             q.device)
+        segment_chunks = auto_segment_chunks([-(-n // CHUNK) for n in lens], heads,
+                                             value_dim // min(64, key_dim, value_dim), q.device)
     plan = build_plan(lens, q.device, segment_chunks)
     flat = [t.reshape(batch * seq_len, *t.shape[2:]).contiguous() for t in (q, k, v, gz, beta)]
     o, final = _ChunkKDAFunction.apply(*flat, A_log, dt_bias, initial_state, plan, flags)
@@ -350,7 +350,7 @@ def kernel_head_dim_ok(dim: int) -> bool:
 
 def gate_is_bounded(g: Tensor) -> bool:
     """Whether every per-step log-decay is within the span the dense tile path handles."""
-    return bool(g.numel() == 0 or float(g.min()) >= -GATE_SPAN_LIMIT)
+    return bool(g.numel() == 0 or float(g.detach().min()) >= -GATE_SPAN_LIMIT)
 
 
 def chunk_kda_triton(
@@ -372,7 +372,7 @@ def chunk_kda_triton(
     """
     lens = _check("chunk_kda_triton", q, k, v, g, beta, cu_seqlens, initial_state)
     if not gate_is_bounded(g):
-        raise ValueError(f"chunk_kda_triton: g reaches {float(g.min()):.3g} < -{GATE_SPAN_LIMIT}; the Triton kernels "
+        raise ValueError(f"chunk_kda_triton: g reaches {float(g.detach().min()):.3g} < -{GATE_SPAN_LIMIT}; the Triton kernels "
                          f'need the bounded gate (kda_gate(..., lower_bound=-5)); use backend="torch" otherwise')
     flags = _Flags(gate_in_kernel=False, l2norm=False, beta_sigmoid=False,
                    scale=q.shape[-1] ** -0.5 if scale is None else float(scale), lower_bound=0.0)

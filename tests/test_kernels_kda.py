@@ -1,0 +1,159 @@
+"""Triton KDA kernels (moe_lc_kernels) against the float64 reference of moe_lc.ops.kda.
+
+On a machine without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here
+before the kernels are first imported), so the shapes stay small: T <= ~300, K, V in {16, 32}.
+Every check compares outputs, final states and the gradients of every input with float64.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from moe_lc.ops.kda import chunk_kda, kda_gate  # noqa: E402
+from moe_lc_kernels import segment_transition, triton_available  # noqa: E402
+from moe_lc_kernels.kda import build_plan, chunk_kda_fused, chunk_kda_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if not triton_available(DEVICE):
+    pytest.skip("Triton cannot run here (no GPU and TRITON_INTERPRET is not 1)", allow_module_level=True)
+
+F64 = torch.float64
+TOL = 1e-4  # fp32 kernels vs float64 (measured errors are ~1e-6)
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "non-finite values (NaN marks unwritten or broken outputs)"
+    return ((out.double().cpu() - ref.double().cpu()).norm() / ref.double().cpu().norm()).item()
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def raw_inputs(batch, seq_len, heads, key_dim, value_dim, num_states=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(DEVICE).requires_grad_()
+
+    x = dict(q=rnd(batch, seq_len, heads, key_dim), k=rnd(batch, seq_len, heads, key_dim),
+             v=rnd(batch, seq_len, heads, value_dim), z=rnd(batch, seq_len, heads, key_dim, scale=2.0),
+             beta=rnd(batch, seq_len, heads), A_log=rnd(heads, scale=0.5), dt_bias=rnd(heads * key_dim))
+    h0 = None if num_states is None else rnd(num_states, heads, key_dim, value_dim)
+    return x, h0
+
+
+def fused_reference(x, h0, cu):
+    """Float64 reference for chunk_kda_fused: the same formulas, then the torch chunk op."""
+    d = {n: t.double() for n, t in x.items()}
+    g = kda_gate(d["z"], d["A_log"], d["dt_bias"], lower_bound=-5.0)
+    return chunk_kda(l2norm(d["q"]), l2norm(d["k"]), d["v"], g, torch.sigmoid(d["beta"]),
+                     initial_state=None if h0 is None else h0.double(), output_final_state=True,
+                     cu_seqlens=cu, backend="torch")
+
+
+def assert_matches(x, h0, out, final, ref_out, ref_final):
+    """Forward, final state and every gradient (random cotangents on o and the final state)."""
+    params = list(x.values()) + ([h0] if h0 is not None else [])
+    gen = torch.Generator().manual_seed(99)
+    do = torch.randn(out.shape, generator=gen).to(DEVICE)
+    ds = torch.randn(final.shape, generator=gen).to(DEVICE)
+    grads = torch.autograd.grad((out * do).sum() + (final * ds).sum(), params)
+    ref_grads = torch.autograd.grad((ref_out * do.double()).sum() + (ref_final * ds.double()).sum(), params)
+    errors = {"o": rel(out, ref_out), "final": rel(final, ref_final)}
+    names = list(x) + (["h0"] if h0 is not None else [])
+    errors.update({f"d{n}": rel(a, b) for n, a, b in zip(names, grads, ref_grads)})
+    bad = {n: e for n, e in errors.items() if not e < TOL}
+    assert not bad, f"errors above {TOL}: {bad} (all: {errors})"
+
+
+@pytest.mark.parametrize("segment_chunks", [0, 1])
+def test_fused_matches_float64_with_states(segment_chunks):
+    """Batch of 2, T not a multiple of 64, initial and final states; serial and segmented passes."""
+    x, h0 = raw_inputs(2, 150, 2, 32, 32, num_states=2, seed=1)
+    out, final = chunk_kda_fused(x["q"], x["k"], x["v"], x["z"], x["beta"], x["A_log"], x["dt_bias"],
+                                 initial_state=h0, output_final_state=True, segment_chunks=segment_chunks)
+    assert out.dtype == torch.float32 and out.shape == (2, 150, 2, 32) and final.shape == (2, 2, 32, 32)
+    assert_matches(x, h0, out, final, *fused_reference(x, h0, None))
+
+
+def test_fused_packed_documents_segmented():
+    """Packed documents of uneven lengths (one shorter than a tile), per-document states, segments of
+    one and two chunks so that documents span several segments and the prefix scan is exercised."""
+    cu = torch.tensor([0, 3, 70, 200, 260], dtype=torch.int32, device=DEVICE)
+    x, h0 = raw_inputs(1, 260, 1, 32, 32, num_states=4, seed=2)
+    for segment_chunks in (1, 2):
+        out, final = chunk_kda_fused(x["q"], x["k"], x["v"], x["z"], x["beta"], x["A_log"], x["dt_bias"],
+                                     initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                     segment_chunks=segment_chunks)
+        assert_matches(x, h0, out, final, *fused_reference(x, h0, cu))
+
+
+def test_backend_signature_with_given_gate_and_unequal_dims():
+    """chunk_kda_triton takes normalised q/k, a precomputed bounded g and beta (K=16 != V=32)."""
+    gen = torch.Generator().manual_seed(3)
+    shape = (1, 90, 2, 16)
+    q = l2norm(torch.randn(shape, generator=gen, dtype=F64)).float().to(DEVICE).requires_grad_()
+    k = l2norm(torch.randn(shape, generator=gen, dtype=F64)).float().to(DEVICE).requires_grad_()
+    v = torch.randn(1, 90, 2, 32, generator=gen).to(DEVICE).requires_grad_()
+    g = kda_gate(3 * torch.randn(shape, generator=gen), torch.zeros(2)).to(DEVICE).requires_grad_()
+    beta = torch.rand(1, 90, 2, generator=gen).to(DEVICE).requires_grad_()
+    x = dict(q=q, k=k, v=v, g=g, beta=beta)
+    out, final = chunk_kda_triton(q, k, v, g, beta, scale=0.3, output_final_state=True)
+    d = {n: t.double() for n, t in x.items()}
+    ref = chunk_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], scale=0.3, output_final_state=True, backend="torch")
+    assert_matches(x, None, out, final, *ref)
+
+
+def test_segment_transition_composes():
+    """S_end = M S_start + S~ (the KCP identity) for packed documents, against chunk_kda itself."""
+    gen = torch.Generator().manual_seed(4)
+    cu = torch.tensor([0, 50, 120], dtype=torch.int32)
+    shape = (1, 120, 2, 8)
+    q, k = (l2norm(torch.randn(shape, generator=gen, dtype=F64)) for _ in range(2))
+    v = torch.randn(1, 120, 2, 4, generator=gen, dtype=F64)
+    g = kda_gate(torch.randn(shape, generator=gen, dtype=F64), torch.zeros(2, dtype=F64))
+    beta = torch.rand(1, 120, 2, generator=gen, dtype=F64)
+    s_tilde, transition = segment_transition(q, k, v, g, beta, cu_seqlens=cu, backend="torch")
+    start = torch.randn(2, 2, 8, 4, generator=gen, dtype=F64)
+    _, end = chunk_kda(q, k, v, g, beta, initial_state=start, output_final_state=True, cu_seqlens=cu, backend="torch")
+    assert transition.shape == (2, 2, 8, 8)
+    assert rel(transition @ start + s_tilde, end) < 1e-12
+
+
+def test_plan_splits_documents_into_chunks_and_segments():
+    plan = build_plan([3, 130, 64], torch.device("cpu"), segment_chunks=2)
+    assert plan.chunk_bos.tolist() == [0, 3, 67, 131, 133]
+    assert plan.chunk_eos.tolist() == [3, 67, 131, 133, 197]
+    assert plan.seg_chunk0.tolist() == [0, 1, 3, 4] and plan.seg_nchunks.tolist() == [1, 2, 1, 1]
+    assert plan.seq_seg0.tolist() == [0, 1, 3] and plan.seq_nseg.tolist() == [1, 2, 1]
+    assert plan.segmented
+
+
+def test_clear_errors():
+    x, _ = raw_inputs(1, 20, 1, 16, 16)
+    args = [x[n] for n in ("q", "k", "v", "z", "beta", "A_log", "dt_bias")]
+    with pytest.raises(ValueError, match="lower_bound"):
+        chunk_kda_fused(*args, lower_bound=None)
+    with pytest.raises(ValueError, match="power of two"):
+        chunk_kda_fused(x["q"][..., :12], x["k"][..., :12], x["v"], x["z"][..., :12], x["beta"], x["A_log"])
+    with pytest.raises(TypeError, match="float64"):
+        chunk_kda_fused(*(t.double() for t in args))
+    g = kda_gate(torch.full((1, 20, 1, 16), 5.0), torch.full((1,), 3.0), lower_bound=None)  # softplus: unbounded
+    with pytest.raises(ValueError, match="bounded gate"):
+        chunk_kda_triton(x["q"], x["k"], x["v"], g.to(DEVICE), torch.sigmoid(x["beta"]))
+
+
+def test_import_needs_neither_gpu_nor_triton():
+    code = ("import sys; import moe_lc_kernels, moe_lc.ops.kda; "
+            "assert 'triton' not in sys.modules, 'importing moe_lc_kernels must not import triton'")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
