@@ -148,7 +148,9 @@ def test_initialisation_follows_spec():
     cfg = tiny()
     model = build_model(cfg, seed=0)
     for layer in model.layers:
-        assert torch.all(layer.attn_mixer.query == 0) and torch.all(layer.ffn_mixer.query == 0)
+        assert torch.all(layer.ffn_mixer.query == 0)
+        assert (layer.attn_mixer is None) == (layer.layer_idx == 0)  # the first sublayer has one source
+        assert layer.attn_mixer is None or torch.all(layer.attn_mixer.query == 0)
         if layer.kind == "K":
             kda = layer.attn
             assert torch.all(kda.A_log == 0)
@@ -249,3 +251,14 @@ def test_unknown_config_keys_are_named():
         ModelConfig.from_dict({"moe": {"lattent_dim": 3}})
     with pytest.raises(ConfigError, match="unknown model preset"):
         get_preset("k4")
+
+
+def test_every_parameter_gets_a_gradient():
+    """Optimizers and checkpoint loaders expect state for every parameter: none may be dead."""
+    for overrides in ({}, {"attn_res.mode": "full"}, {"attn_res.mode": "none"}, {"mtp": True}):
+        cfg = tiny(**overrides)
+        model = build_model(cfg, seed=0)
+        ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(11))
+        model(ids[:, :-1], ids[:, 1:]).loss.backward()
+        dead = [n for n, p in model.named_parameters() if p.grad is None]
+        assert not dead, (overrides, dead)

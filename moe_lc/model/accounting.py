@@ -83,7 +83,8 @@ def count_parameters(cfg: ModelConfig) -> ParamReport:
     comp["lm_head"] = act["lm_head"] = V * d
     norms = d + (2 * d if attn_res else 0)  # final norm, output pseudo-query + its norm
     for i, kind in enumerate(cfg.pattern):
-        norms += 2 * d + (4 * d if attn_res else 0)  # two pre-norms, two mixers (query + norm)
+        # two pre-norms; two depth mixers (query + norm), except before the first sublayer (one source)
+        norms += 2 * d + ((4 * d if i > 0 else 2 * d) if attn_res else 0)
         if kind == "K":
             comp["kda"] += _kda_params(cfg)
         else:

@@ -67,7 +67,12 @@ class ResidualStream:
     def sublayer_input(self, mixer: Optional[DepthMixer]) -> torch.Tensor:
         if self.mode == "none":
             return self.partial
-        return mixer(self.all_sources())
+        sources = self.all_sources()
+        if mixer is None:
+            if len(sources) != 1:
+                raise RuntimeError(f"a sublayer without a depth mixer got {len(sources)} sources; expected 1")
+            return sources[0]
+        return mixer(sources)
 
     def add_output(self, f: torch.Tensor) -> None:
         if self.mode == "full":

@@ -31,7 +31,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_idx, self.kind = layer_idx, kind
         d, eps = cfg.d_model, cfg.norm_eps
-        self.attn_mixer = DepthMixer(d, eps) if use_attn_res else None
+        # The very first sublayer sees one source (the embedding): softmax over it is 1, so no mixer.
+        self.attn_mixer = DepthMixer(d, eps) if use_attn_res and layer_idx > 0 else None
         self.attn_norm = RMSNorm(d, eps)
         self.attn = KDAttention(d, cfg.kda, eps) if kind == "K" else GatedMLA(d, cfg.mla, eps)
         self.ffn_mixer = DepthMixer(d, eps) if use_attn_res else None
