@@ -41,6 +41,8 @@ class _Plan:
     chunk_eos: Tensor
     seg_chunk0: Tensor
     seg_nchunks: Tensor
+    seg_bos: Tensor  # first token of the segment
+    seg_eos: Tensor  # end of the segment's sequence (masks the last, partial chunk)
     seq_seg0: Tensor
     seq_nseg: Tensor
     last_seg: Tensor  # [N] (long): last segment of each sequence
@@ -77,6 +79,7 @@ def auto_segment_chunks(seq_chunks: list[int], heads: int, value_blocks: int, de
 
 def build_plan(seq_lens: list[int], device: torch.device, segment_chunks: int | None) -> _Plan:
     chunk_bos, chunk_eos, seg_chunk0, seg_nchunks, seq_seg0, seq_nseg = [], [], [], [], [], []
+    seg_bos, seg_eos = [], []
     start = 0
     for length in seq_lens:
         n_chunks = -(-length // CHUNK)
@@ -89,6 +92,8 @@ def build_plan(seq_lens: list[int], device: torch.device, segment_chunks: int | 
         for c in range(0, n_chunks, per):
             seg_chunk0.append(first_chunk + c)
             seg_nchunks.append(min(per, n_chunks - c))
+            seg_bos.append(start + c * CHUNK)
+            seg_eos.append(start + length)
         seq_nseg.append(len(seg_chunk0) - seq_seg0[-1])
         start += length
 
@@ -99,7 +104,7 @@ def build_plan(seq_lens: list[int], device: torch.device, segment_chunks: int | 
     last = first + torch.tensor(seq_nseg, dtype=torch.long) - 1
     return _Plan(
         chunk_bos=ints(chunk_bos), chunk_eos=ints(chunk_eos),
-        seg_chunk0=ints(seg_chunk0), seg_nchunks=ints(seg_nchunks),
+        seg_chunk0=ints(seg_chunk0), seg_nchunks=ints(seg_nchunks), seg_bos=ints(seg_bos), seg_eos=ints(seg_eos),
         seq_seg0=ints(seq_seg0), seq_nseg=ints(seq_nseg),
         last_seg=last.to(device), first_seg=first.to(device),
         num_chunks=len(chunk_bos), num_segments=len(seg_chunk0), num_seqs=len(seq_lens),
@@ -155,7 +160,7 @@ def _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, *, init, transition, out=
     kt._state_fwd_kernel[grid](
         w, u, qg, kend, aqk, gc, out if out is not None else w, states if states is not None else w,
         init if init is not None else seg_end, seg_end,
-        plan.seg_chunk0, plan.seg_nchunks, plan.chunk_bos, plan.chunk_eos, heads,
+        plan.seg_chunk0, plan.seg_nchunks, plan.seg_bos, plan.seg_eos, heads,
         K=key_dim, V=value_dim, BV=bv, BT=CHUNK, V_END=v_end, HAS_INIT=init is not None,
         TRANSITION=transition, STORE_OUTPUT=out is not None, STORE_STATES=states is not None,
         DOT_PREC=cfg["dot"], num_warps=4, num_stages=2,
@@ -222,7 +227,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
         if plan.segmented:
             dpart = torch.empty_like(dstart)
             kt._state_bwd_kernel[grid](qg, w, kend, aqk, gc, do, dh, ddelta, dstart, dpart,
-                                       plan.seg_chunk0, plan.seg_nchunks, plan.chunk_bos, plan.chunk_eos, heads,
+                                       plan.seg_chunk0, plan.seg_nchunks, plan.seg_bos, plan.seg_eos, heads,
                                        HAS_INIT=False, STORE=False, **common)
             dend = torch.empty_like(dstart)
             kt._compose_bwd_kernel[(value_dim // bv, plan.num_seqs * heads)](
@@ -231,7 +236,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
         else:
             dend = dfinal
         kt._state_bwd_kernel[grid](qg, w, kend, aqk, gc, do, dh, ddelta, dend if dend is not None else dstart,
-                                   dstart, plan.seg_chunk0, plan.seg_nchunks, plan.chunk_bos, plan.chunk_eos, heads,
+                                   dstart, plan.seg_chunk0, plan.seg_nchunks, plan.seg_bos, plan.seg_eos, heads,
                                    HAS_INIT=dend is not None, STORE=True, **common)
         del w, u, qg, kend, aqk
 

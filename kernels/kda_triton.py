@@ -186,7 +186,7 @@ def _prep_kernel(q, k, v, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
 # ----------------------------------------------------------------------------- forward, state pass
 @triton.jit
 def _state_fwd_kernel(w, u, qg, kend, aqk, gc, o, states, seg_init, seg_end,
-                      seg_chunk0, seg_nchunks, chunk_bos, chunk_eos, H,
+                      seg_chunk0, seg_nchunks, seg_bos, seg_eos, H,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                       V_END: tl.constexpr, HAS_INIT: tl.constexpr, TRANSITION: tl.constexpr,
                       STORE_OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -212,11 +212,11 @@ def _state_fwd_kernel(w, u, qg, kend, aqk, gc, o, states, seg_init, seg_end,
         S = tl.zeros([K, BV], dtype=tl.float32)
     if TRANSITION:
         S = tl.where(is_value, S, tl.where(rk[:, None] == (col - V)[None, :], 1.0, 0.0))
-    for i in range(0, nc):
+    bos0 = tl.load(seg_bos + seg).to(tl.int64)
+    eos = tl.load(seg_eos + seg).to(tl.int64)
+    for i in range(0, nc):  # chunks of a segment are contiguous: affine addresses, pipelined loads
         c = (c0 + i).to(tl.int64)
-        bos = tl.load(chunk_bos + c).to(tl.int64)
-        eos = tl.load(chunk_eos + c).to(tl.int64)
-        rows = bos + tl.arange(0, BT)
+        rows = bos0 + i * BT + tl.arange(0, BT)
         m2 = (rows < eos)[:, None]
         if STORE_STATES:
             tl.store(states + ((c * H + h) * K + rk[:, None]) * V + col[None, :], S.to(states.dtype.element_ty))
@@ -265,7 +265,7 @@ def _compose_fwd_kernel(seg_buf, init, seg_start, seq_seg0, seq_nseg, H,
 # ----------------------------------------------------------------------------- backward, state pass
 @triton.jit
 def _state_bwd_kernel(qg, w, kend, aqk, gc, do, dh, ddelta, seg_init, seg_start_grad,
-                      seg_chunk0, seg_nchunks, chunk_bos, chunk_eos, H,
+                      seg_chunk0, seg_nchunks, seg_bos, seg_eos, H,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                       HAS_INIT: tl.constexpr, STORE: tl.constexpr, DOT_PREC: tl.constexpr):
     """Reverse pass over one segment: dS (gradient of the state after a chunk), chunk by chunk.
@@ -286,11 +286,11 @@ def _state_bwd_kernel(qg, w, kend, aqk, gc, do, dh, ddelta, seg_init, seg_start_
         dS = tl.load(seg_init + ((seg.to(tl.int64) * H + h) * K + rk[:, None]) * V + col[None, :])
     else:
         dS = tl.zeros([K, BV], dtype=tl.float32)
+    bos0 = tl.load(seg_bos + seg).to(tl.int64)
+    eos = tl.load(seg_eos + seg).to(tl.int64)
     for i in range(0, nc):
         c = (c0 + nc - 1 - i).to(tl.int64)
-        bos = tl.load(chunk_bos + c).to(tl.int64)
-        eos = tl.load(chunk_eos + c).to(tl.int64)
-        rows = bos + tl.arange(0, BT)
+        rows = bos0 + (nc - 1 - i) * BT + tl.arange(0, BT)
         m2 = (rows < eos)[:, None]
         if STORE:
             tl.store(dh + ((c * H + h) * K + rk[:, None]) * V + col[None, :], dS.to(dh.dtype.element_ty))

@@ -135,6 +135,7 @@ def test_plan_splits_documents_into_chunks_and_segments():
     assert plan.chunk_bos.tolist() == [0, 3, 67, 131, 133]
     assert plan.chunk_eos.tolist() == [3, 67, 131, 133, 197]
     assert plan.seg_chunk0.tolist() == [0, 1, 3, 4] and plan.seg_nchunks.tolist() == [1, 2, 1, 1]
+    assert plan.seg_bos.tolist() == [0, 3, 131, 133] and plan.seg_eos.tolist() == [3, 133, 133, 197]
     assert plan.seq_seg0.tolist() == [0, 1, 3] and plan.seq_nseg.tolist() == [1, 2, 1]
     assert plan.segmented
 
