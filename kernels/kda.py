@@ -24,12 +24,18 @@ per-chunk states. Backward holds per-chunk states and state gradients (bf16, 2 *
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 CHUNK = 64
+# Launch choices (benchmarked in kernels/NOTES.md); MOE_LC_KDA_TUNING="key=value,..." overrides.
+TUNING = dict(inverse="blocked", prep_warps=8, state_warps=4, state_stages=2, intra_warps=8, compose_warps=8)
+for _item in filter(None, os.environ.get("MOE_LC_KDA_TUNING", "").split(",")):
+    _key, _value = _item.split("=")
+    TUNING[_key] = _value if _key == "inverse" else int(_value)
 GATE_SPAN_LIMIT = 5.5  # |g| per step above which exp(16 |g|) could overflow fp32/bf16 in a tile
 
 
@@ -123,7 +129,9 @@ class _Flags:
 
 def _config(q: Tensor, v: Tensor) -> dict:
     inter = torch.float32 if q.dtype == torch.float32 else torch.bfloat16
-    return dict(inter=inter, dot="ieee" if inter == torch.float32 else "tf32", BV=min(64, q.shape[-1], v.shape[-1]))
+    exact = inter == torch.float32
+    return dict(inter=inter, dot="ieee" if exact else "tf32", inv="ieee" if exact else "tf32x3",
+                BV=min(64, q.shape[-1], v.shape[-1]))
 
 
 def _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan: _Plan, flags: _Flags, cfg: dict, store_x: bool):
@@ -144,7 +152,7 @@ def _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan: _Plan, flags: _Flags, cfg
         flags.scale, flags.lower_bound, heads,
         K=key_dim, V=value_dim, BT=CHUNK, GATE_IN_KERNEL=flags.gate_in_kernel, HAS_DT_BIAS=dt_bias is not None,
         L2NORM=flags.l2norm, BETA_SIGMOID=flags.beta_sigmoid, STORE_X=store_x, DOT_PREC=cfg["dot"],
-        num_warps=8, num_stages=1,
+        INV_BLOCKED=TUNING["inverse"] == "blocked", INV_PREC=cfg["inv"], num_warps=TUNING["prep_warps"], num_stages=1,
     )
     return w, u, qg, kend, aqk, gc, (x if store_x else None)
 
@@ -163,7 +171,7 @@ def _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, *, init, transition, out=
         plan.seg_chunk0, plan.seg_nchunks, plan.seg_bos, plan.seg_eos, heads,
         K=key_dim, V=value_dim, BV=bv, BT=CHUNK, V_END=v_end, HAS_INIT=init is not None,
         TRANSITION=transition, STORE_OUTPUT=out is not None, STORE_STATES=states is not None,
-        DOT_PREC=cfg["dot"], num_warps=4, num_stages=2,
+        DOT_PREC=cfg["dot"], num_warps=TUNING["state_warps"], num_stages=TUNING["state_stages"],
     )
     return seg_end
 
@@ -177,7 +185,8 @@ def _segment_starts(kt, w, u, qg, kend, aqk, gc, plan, cfg, initial_state):
     bv = cfg["BV"]
     kt._compose_fwd_kernel[(value_dim // bv, plan.num_seqs * heads)](
         buf, initial_state if initial_state is not None else buf, starts, plan.seq_seg0, plan.seq_nseg, heads,
-        K=key_dim, V=value_dim, BV=bv, HAS_INIT=initial_state is not None, DOT_PREC=cfg["dot"], num_warps=8,
+        K=key_dim, V=value_dim, BV=bv, HAS_INIT=initial_state is not None, DOT_PREC=cfg["dot"],
+        num_warps=TUNING["compose_warps"],
     )
     return starts, buf[..., value_dim:].contiguous()
 
@@ -223,7 +232,8 @@ class _ChunkKDAFunction(torch.autograd.Function):
         dstart = torch.empty(plan.num_segments, heads, key_dim, value_dim, device=q.device, dtype=torch.float32)
         dfinal = None if dfinal is None else dfinal.float().contiguous()
         grid = (value_dim // bv, plan.num_segments * heads)
-        common = dict(K=key_dim, V=value_dim, BV=bv, BT=CHUNK, DOT_PREC=cfg["dot"], num_warps=4, num_stages=2)
+        common = dict(K=key_dim, V=value_dim, BV=bv, BT=CHUNK, DOT_PREC=cfg["dot"], num_warps=TUNING["state_warps"],
+                      num_stages=TUNING["state_stages"])
         if plan.segmented:
             dpart = torch.empty_like(dstart)
             kt._state_bwd_kernel[grid](qg, w, kend, aqk, gc, do, dh, ddelta, dstart, dpart,
@@ -232,7 +242,8 @@ class _ChunkKDAFunction(torch.autograd.Function):
             dend = torch.empty_like(dstart)
             kt._compose_bwd_kernel[(value_dim // bv, plan.num_seqs * heads)](
                 dpart, transitions, dfinal if dfinal is not None else dpart, dend, plan.seq_seg0, plan.seq_nseg,
-                heads, K=key_dim, V=value_dim, BV=bv, HAS_FINAL=dfinal is not None, DOT_PREC=cfg["dot"], num_warps=8)
+                heads, K=key_dim, V=value_dim, BV=bv, HAS_FINAL=dfinal is not None, DOT_PREC=cfg["dot"],
+                num_warps=TUNING["compose_warps"])
         else:
             dend = dfinal
         kt._state_bwd_kernel[grid](qg, w, kend, aqk, gc, do, dh, ddelta, dend if dend is not None else dstart,
@@ -252,7 +263,8 @@ class _ChunkKDAFunction(torch.autograd.Function):
             dq, dk, dv, dgz, dbeta, dA_part, ddtb_part,
             flags.scale, flags.lower_bound, heads,
             K=key_dim, V=value_dim, BT=CHUNK, GATE_IN_KERNEL=gate, HAS_DT_BIAS=dt_bias is not None,
-            L2NORM=flags.l2norm, BETA_SIGMOID=flags.beta_sigmoid, DOT_PREC=cfg["dot"], num_warps=8, num_stages=1,
+            L2NORM=flags.l2norm, BETA_SIGMOID=flags.beta_sigmoid, DOT_PREC=cfg["dot"], num_warps=TUNING["intra_warps"],
+            num_stages=1,
         )
         dA_log = dA_part.sum(0).to(A_log.dtype) if gate and A_log is not None and ctx.needs_input_grad[5] else None
         ddt_bias = (ddtb_part.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)

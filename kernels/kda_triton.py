@@ -139,6 +139,27 @@ def _unit_lower_inverse(A, rows, BT: tl.constexpr):
     return X
 
 
+@triton.jit
+def _unit_lower_inverse_blocked(A, rows, BT: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 for strictly lower A with matmuls: the four 16x16 diagonal blocks at once, then
+    (I + A)^-1 = (I + Xd Ao)^-1 Xd with Xd = (I + Ad)^-1, Ad/Ao the block-diagonal/-off-diagonal
+    parts; N = Xd Ao is strictly block-lower, so N^4 = 0 and the series stops after N^3."""
+    cols = tl.arange(0, BT)
+    eye = tl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
+    same_tile = (rows[:, None] // 16) == (cols[None, :] // 16)
+    Ad = tl.where(same_tile, A, 0.0)
+    Ao = A - Ad
+    X = eye
+    local = (rows % 16)[:, None]
+    for i in range(1, 16):  # row i of every tile, from rows before it in the same tile
+        contrib = tl.dot(tl.where(local == i, Ad, 0.0), X, input_precision=PREC)
+        X = tl.where(local == i, eye - contrib, X)
+    N = tl.dot(X, Ao, input_precision=PREC)
+    N2 = tl.dot(N, N, input_precision=PREC)
+    series = eye - N + N2 - tl.dot(N2, N, input_precision=PREC)
+    return tl.dot(series, X, input_precision=PREC)
+
+
 # ----------------------------------------------------------------------------- forward, parallel part
 @triton.jit
 def _prep_kernel(q, k, v, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
@@ -146,7 +167,8 @@ def _prep_kernel(q, k, v, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
                  scale, lower_bound, H,
                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                  GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
-                 BETA_SIGMOID: tl.constexpr, STORE_X: tl.constexpr, DOT_PREC: tl.constexpr):
+                 BETA_SIGMOID: tl.constexpr, STORE_X: tl.constexpr, DOT_PREC: tl.constexpr,
+                 INV_BLOCKED: tl.constexpr, INV_PREC: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
     bos = tl.load(chunk_bos + c).to(tl.int64)
@@ -162,7 +184,10 @@ def _prep_kernel(q, k, v, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
     qs = qv * scale
     G = tl.cumsum(g, axis=0)
     R, Aqk = _scores(qs, kv, G, rows, BT, DOT_PREC)
-    X = _unit_lower_inverse(R * bv[:, None], rows, BT)
+    if INV_BLOCKED:
+        X = _unit_lower_inverse_blocked(R * bv[:, None], rows, BT, INV_PREC)
+    else:
+        X = _unit_lower_inverse(R * bv[:, None], rows, BT)
     T = X * bv[None, :]
     eG = tl.exp(G)
     GC = tl.sum(g, axis=0)

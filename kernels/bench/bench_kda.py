@@ -250,6 +250,9 @@ def main(argv=None):
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--fuzz", type=int, default=12)
     parser.add_argument("--seg-sweep", action="store_true", help="time segment lengths at the long shapes")
+    parser.add_argument("--variants", default="", help="';'-separated TUNING overrides to time, e.g. "
+                        "'inverse=loop;prep_warps=4'")
+    parser.add_argument("--variant-shapes", default="B8_T4K,B1_T64K")
     parser.add_argument("--check-shapes", default="B8_T4K,B2_T16K,B1_T64K,B1_T256K,B2_T8K_H64,varlen_64K")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
@@ -296,6 +299,30 @@ def main(argv=None):
         results.append(r)
         print(json.dumps(r), flush=True)
     report["results"] = results
+
+    if args.variants:
+        from moe_lc_kernels import kda as kda_mod
+
+        base = dict(kda_mod.TUNING)
+        rows = []
+        for variant in ["", *args.variants.split(";")]:
+            override = dict(item.split("=") for item in filter(None, variant.split(",")))
+            kda_mod.TUNING.clear()
+            kda_mod.TUNING.update(base)
+            kda_mod.TUNING.update({k: (v if k == "inverse" else int(v)) for k, v in override.items()})
+            for name in args.variant_shapes.split(","):
+                batch, seq_len, heads, docs = SHAPES[name]
+                x, cu = make_inputs(batch, seq_len, heads, 128, docs, device, torch.bfloat16, 7)
+                with torch.no_grad():
+                    f_ms = time_fn(lambda: ours(x, cu))
+                run = fwd_bwd(ours, x, cu)
+                run.do = torch.randn_like(x["v"])
+                fb_ms = time_fn(run)
+                rows.append(dict(variant=variant or "default", shape=name, fwd_ms=f_ms, fwdbwd_ms=fb_ms))
+                print(f"variant [{variant or 'default'}] {name}: fwd {f_ms:.2f} ms fwd+bwd {fb_ms:.2f} ms", flush=True)
+        kda_mod.TUNING.clear()
+        kda_mod.TUNING.update(base)
+        report["variants"] = rows
 
     if args.seg_sweep:
         sweep = []
