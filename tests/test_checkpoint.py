@@ -33,7 +33,9 @@ from moe_lc.checkpoint import ondisk
 # DCP warns on every single-process save/load; the library filters it, pytest resets filters.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is .*uninitialized:UserWarning")
 
-FORK = multiprocessing.get_context("fork")
+# fork is fast; once CUDA is usable here, a forked child must not touch it (DCP's writer
+# would), so children are spawned instead. Children rebuild their state from seeds.
+CTX = multiprocessing.get_context("spawn" if torch.cuda.is_available() else "fork")
 FULL = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
 
 
@@ -217,8 +219,17 @@ def _install_crash_point(phase: str, reached) -> None:
         ondisk.shutil.rmtree = partial_rmtree  # the shutil module itself: this child only
 
 
-def _save_and_hang(root, phase, reached, model, opt):
+def _state_at(step: int) -> tuple[TinyNet, torch.optim.AdamW]:
+    model, opt = make(0)
+    for s in range(step):
+        train_step(model, opt, s)
+    return model, opt
+
+
+def _save_and_hang(root, phase, reached):
+    torch.set_num_threads(1)
     _install_crash_point(phase, reached)
+    model, opt = _state_at(2)
     CheckpointManager(root, keep_last=1).save(2, {"model": model, "optim": opt, "trainer": {"step": 2}})
     os._exit(3)  # the crash point was never reached
 
@@ -228,18 +239,19 @@ def _save_and_hang(root, phase, reached, model, opt):
     "phase", ["mid_tensor_write", "before_marker", "torn_marker", "before_pointer", "mid_prune"]
 )
 def test_sigkill_mid_save_leaves_a_complete_latest(tmp_path, phase):
-    model, opt = make(0)
-    train_step(model, opt, 0)
+    model, opt = _state_at(1)
     CheckpointManager(tmp_path, keep_last=1).save(1, {"model": model, "optim": opt, "trainer": {"step": 1}})
     at_step1 = full_state(model, opt)
-    train_step(model, opt, 1)
-    at_step2 = full_state(model, opt)
+    at_step2 = full_state(*_state_at(2))  # what the child saves as step 2
 
-    reached = FORK.Event()
-    child = FORK.Process(target=_save_and_hang, args=(tmp_path, phase, reached, model, opt))
+    reached = CTX.Event()
+    child = CTX.Process(target=_save_and_hang, args=(tmp_path, phase, reached))
     child.start()
     try:
-        assert reached.wait(60), f"crash point {phase} not reached (exit code {child.exitcode})"
+        deadline = time.monotonic() + 60
+        while not reached.wait(0.1) and child.is_alive() and time.monotonic() < deadline:
+            pass
+        assert reached.is_set(), f"crash point {phase} not reached (exit code {child.exitcode})"
         os.kill(child.pid, signal.SIGKILL)
         child.join(30)
         assert child.exitcode == -signal.SIGKILL
@@ -391,7 +403,7 @@ def test_async_save_round_trip_and_wait_semantics(tmp_path):
 
 def _run_ranks(fn, world_size: int, *args, timeout: float = 90.0) -> None:
     """Run fn(rank, world_size, *args) in forked processes; fail on error or timeout."""
-    procs = [FORK.Process(target=_rank_main, args=(fn, r, world_size, *args)) for r in range(world_size)]
+    procs = [CTX.Process(target=_rank_main, args=(fn, r, world_size, *args)) for r in range(world_size)]
     for proc in procs:
         proc.start()
     deadline = time.monotonic() + timeout
@@ -408,6 +420,7 @@ def _run_ranks(fn, world_size: int, *args, timeout: float = 90.0) -> None:
 
 
 def _rank_main(fn, rank, world_size, store, *args):
+    torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
         init_method=f"file://{store}",

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from . import coordination as co
 from . import ondisk
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
+from .errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
 from .rng import RngState, capture_rng
 
 PathLike = Union[str, os.PathLike]
@@ -182,7 +182,7 @@ class CheckpointManager:
                 "using the newest complete checkpoint instead",
                 stacklevel=2,
             )
-        return _newest_valid(self.root)
+        return _newest_valid(self.root, already_reported=pointed)
 
     def resolve(self, path: Optional[PathLike] = None) -> Path:
         """The verified checkpoint directory meant by `path`.
@@ -393,12 +393,16 @@ def _read_rng(ckpt: Path) -> Optional[RngState]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def _newest_valid(root: Path, below_step: Optional[int] = None) -> Optional[Path]:
+def _newest_valid(
+    root: Path, below_step: Optional[int] = None, already_reported: Optional[Path] = None
+) -> Optional[Path]:
     for step, path in reversed(ondisk.step_dirs(root)):
         if below_step is not None and step >= below_step:
             continue
         if ondisk.is_valid(path):
             return path
+        if path == already_reported:
+            continue
         warnings.warn(f"skipping invalid checkpoint {path} (no or mismatching {ondisk.MARKER} manifest)", stacklevel=3)
     return None
 

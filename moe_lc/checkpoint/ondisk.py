@@ -228,12 +228,3 @@ def read_pointer(root: Path) -> Optional[Path]:
 def write_pointer(root: Path, ckpt_dir: Path) -> None:
     write_durably(root / POINTER, (ckpt_dir.name + "\n").encode())
 
-
-def newest_valid(root: Path, below_step: Optional[int] = None) -> Optional[Path]:
-    """The complete, verified checkpoint with the highest step (optionally below a step)."""
-    for step, path in reversed(step_dirs(root)):
-        if below_step is not None and step >= below_step:
-            continue
-        if is_valid(path):
-            return path
-    return None
