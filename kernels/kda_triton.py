@@ -34,7 +34,7 @@ import triton.language as tl
 
 CHUNK = 64
 TILE = 16
-NORM_EPS = 1e-6
+NORM_EPS = tl.constexpr(1e-6)
 
 
 # ----------------------------------------------------------------------------- shared pieces
