@@ -1,0 +1,21 @@
+"""Peak memory: allocator peak on CUDA, the process's peak resident set on CPU."""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak window (CUDA only: the CPU's peak RSS cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)

@@ -1,0 +1,172 @@
+"""The trainer's configuration schema: what a recipe in `recipes/` may set.
+
+Plain dataclasses registered with Hydra's ConfigStore as structured configs, so that every
+field is typed, has a default, and can be overridden from the command line
+(`moe-lc train curriculum.stages.s1k.steps=5 optim.lr=1e-3`); a misspelt key or a value of
+the wrong type is rejected while the recipe is composed, before anything is built.
+
+The model section is a full `moe_lc.config.ModelConfig`: `recipes/model/<name>.yaml`
+starts from the preset of that name (registered below as `moe_lc_preset/<name>`) and may
+override any of its fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from omegaconf import MISSING
+
+from moe_lc.config import ModelConfig
+from moe_lc.optim import OptimConfig
+
+# Data-source prefixes that name built-in data instead of a `.bin`/`.idx` path.
+DEFAULT_CORPUS = "@default"  # the embedded default corpus (Python standard library sources)
+SYNTHETIC_PREFIX = "@"  # "@passkey", "@associative_recall": generated at the stage's seq_len
+
+
+@dataclass
+class LayoutConfig:
+    """How the ranks of a run are split (SPEC 3). Product pp*dp_replicate*dp_shard*cp*tp = world size.
+
+    dp_shard = -1 takes whatever the other dimensions leave of the world size. ep borrows its
+    ranks from dp_shard x cp x tp and must divide that product.
+    """
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    dp_mode: str = "fsdp"  # fsdp (FSDP2/HSDP: parameters, gradients, optimizer state sharded) | zero1
+    sequence_parallel: bool = True
+    param_dtype: str = "auto"  # FSDP compute dtype: auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
+    world_size: Optional[int] = None  # the rank count this layout is meant for (null: whatever is launched)
+    gpus_per_node: int = 8  # planning: reported alongside the node count
+
+
+@dataclass
+class LayoutOverride:
+    """A stage's changes to the run's layout; null keeps the run's value."""
+
+    pp: Optional[int] = None
+    dp_replicate: Optional[int] = None
+    dp_shard: Optional[int] = None
+    cp: Optional[int] = None
+    tp: Optional[int] = None
+    ep: Optional[int] = None
+
+
+@dataclass
+class SourceConfig:
+    """One weighted data source: a Megatron `.bin`/`.idx` prefix, `@default` or a synthetic `@task`."""
+
+    prefix: str = MISSING
+    weight: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    tokenizer: str = "byte"  # "byte" or a Hugging Face tokenizer.json path (must match the sources' .meta.json)
+    sources: List[SourceConfig] = MISSING  # set by recipes/data/*.yaml
+    cache_dir: Optional[str] = None  # default corpus and synthetic data; null: $MOE_LC_CACHE or ~/.cache/moe_lc
+    synthetic_documents: int = 64  # documents generated per synthetic source and stage
+    synthetic_seed: int = 0
+
+
+@dataclass
+class StageConfig:
+    """One curriculum stage. Exactly one of `steps` and `tokens` (a token budget) is set."""
+
+    seq_len: int = MISSING
+    global_batch_tokens: int = MISSING  # tokens per optimizer step, all data-parallel ranks together
+    micro_batch: int = 1  # sequences per forward/backward on one data-parallel rank
+    steps: Optional[int] = None
+    tokens: Optional[int] = None
+    layout: LayoutOverride = field(default_factory=LayoutOverride)
+    data: Optional[List[SourceConfig]] = None  # null: the run's data mixture
+
+
+@dataclass
+class CurriculumConfig:
+    """Ordered stages (YAML order); one LR schedule spans all of them, whichever are run."""
+
+    name: str = "custom"
+    stages: Dict[str, StageConfig] = field(default_factory=dict)
+    run: Optional[List[str]] = None  # names of the stages this launch trains (null: all, in order)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # optimizer steps between checkpoints (0: only at stage ends and at the end)
+    at_stage_end: bool = True
+    keep_last: int = 3
+    async_save: bool = False
+    dir: str = "checkpoints"  # relative to run_dir
+
+
+@dataclass
+class LoggingConfig:
+    progress: str = "auto"  # auto (a live line on a terminal, plain lines otherwise) | bar | lines | none
+    every: int = 1  # console lines every N steps (metrics.jsonl gets every step)
+    loads_every: int = 1  # per-expert loads in metrics.jsonl every N steps (MaxVio is logged every step)
+    tensorboard: bool = True  # when the tensorboard package is installed
+    wandb: bool = False
+    wandb_project: str = "moe-lc"
+    wandb_mode: Optional[str] = None  # null: online when credentials are present, else offline
+    cpu_peak_flops: Optional[float] = None  # override the nominal CPU peak used for MFU
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation at the end of each stage: loss by position and passkey retrieval."""
+
+    at_stage_end: bool = True
+    sequences: int = 2  # sequences of the stage's length, drawn with a seed the training data never uses
+    passkey_documents: int = 2  # synthetic passkey documents of the stage's length (0: skip)
+    seed_offset: int = 1_000_003
+
+
+@dataclass
+class ReportConfig:
+    at_end: bool = True  # render `moe-lc report RUN_DIR` when the run finishes
+
+
+@dataclass
+class TrainConfig:
+    recipe: str = "custom"  # set from `recipe=NAME` by the loader
+    run_dir: str = "runs/${recipe}"
+    seed: int = 0
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda
+    precision: str = "auto"  # auto (bf16 autocast + fp32 weights on GPU, fp32 on CPU) | fp32 | bf16
+    resume: str = "auto"  # auto (newest complete checkpoint, or a fresh start) | none | PATH
+    init_from: Optional[str] = None  # checkpoint whose model weights start a fresh run
+    plan_only: bool = False  # validate, print the plan and exit
+    max_steps: Optional[int] = None  # stop after this global step (the schedule still spans the curriculum)
+    threads: Optional[int] = None  # CPU intra-op threads (null: torch's default)
+    model: ModelConfig = MISSING
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
+
+
+SCHEMA_NAME = "moe_lc_train_schema"
+PRESET_GROUP = "moe_lc_preset"
+
+
+def register_configs() -> None:
+    """Put the schema and the model presets into Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    from moe_lc.presets import PRESETS, get_preset
+
+    cs = ConfigStore.instance()
+    cs.store(name=SCHEMA_NAME, node=TrainConfig)
+    for name in PRESETS:
+        cs.store(group=PRESET_GROUP, name=name, node=get_preset(name))

@@ -1,0 +1,123 @@
+"""The curriculum as a schedule of optimizer steps.
+
+Stage k covers global steps [start_k, end_k); one LR schedule runs over all of them
+(`total_steps` = the sum over every stage of the curriculum, whichever stages a launch runs).
+Per step a stage consumes `sequences_per_step` = global_batch_tokens / seq_len sequences of
+its own data stream; each data-parallel rank runs `grad_accum` micro-batches of
+`micro_batch` sequences:
+
+    grad_accum = global_batch_tokens / (micro_batch x seq_len x dp)
+
+Where a run stands is (global step, sequences consumed per stage): both layout-independent.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from moe_lc.config import ConfigError
+from moe_lc.train.config import SourceConfig, StageConfig, TrainConfig
+from moe_lc.train.layout import ResolvedLayout, merge_layout, resolve_layout
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    index: int
+    name: str
+    seq_len: int
+    global_batch_tokens: int
+    micro_batch: int
+    steps: int
+    start_step: int  # first global step of the stage
+    layout: ResolvedLayout
+    sources: tuple[SourceConfig, ...]
+    run: bool  # trained by this launch (curriculum.run)
+
+    @property
+    def end_step(self) -> int:
+        return self.start_step + self.steps
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.global_batch_tokens // self.seq_len
+
+    @property
+    def grad_accum(self) -> int:
+        return self.sequences_per_step // (self.micro_batch * self.layout.dp)
+
+    @property
+    def tokens(self) -> int:
+        return self.steps * self.global_batch_tokens
+
+    def contains(self, step: int) -> bool:
+        return self.start_step <= step < self.end_step
+
+
+def stage_steps(name: str, stage: StageConfig) -> int:
+    if stage.steps is not None:
+        return stage.steps
+    return math.ceil(stage.tokens / stage.global_batch_tokens)
+
+
+def check_batch_shape(name: str, stage: StageConfig, dp: int) -> None:
+    """global_batch_tokens must split exactly into sequences, ranks and micro-batches."""
+    where = f"curriculum.stages.{name}"
+    if stage.global_batch_tokens % stage.seq_len:
+        raise ConfigError(
+            f"{where}: global_batch_tokens={stage.global_batch_tokens} is not a multiple of seq_len={stage.seq_len}; "
+            f"use e.g. {max(1, stage.global_batch_tokens // stage.seq_len) * stage.seq_len}"
+        )
+    seqs = stage.global_batch_tokens // stage.seq_len
+    per_micro_round = stage.micro_batch * dp
+    if seqs % per_micro_round:
+        raise ConfigError(
+            f"{where}: {seqs} sequences per step do not split into micro_batch={stage.micro_batch} x dp={dp}; "
+            f"make global_batch_tokens a multiple of micro_batch*seq_len*dp = {per_micro_round * stage.seq_len} "
+            "or change micro_batch"
+        )
+
+
+def plan_curriculum(cfg: TrainConfig, world_size: int) -> list[StagePlan]:
+    """Every stage of the curriculum with its steps, layout and data, checked for `world_size` ranks."""
+    plans: list[StagePlan] = []
+    start = 0
+    selected = set(cfg.curriculum.run) if cfg.curriculum.run is not None else None
+    for index, (name, stage) in enumerate(cfg.curriculum.stages.items()):
+        layout = resolve_layout(
+            merge_layout(cfg.layout, stage.layout), world_size, cfg.model, stage.seq_len, where=f"stage {name} layout"
+        )
+        check_batch_shape(name, stage, layout.dp)
+        steps = stage_steps(name, stage)
+        sources = tuple(stage.data if stage.data is not None else cfg.data.sources)
+        run = selected is None or name in selected
+        plans.append(
+            StagePlan(index, name, stage.seq_len, stage.global_batch_tokens, stage.micro_batch, steps, start, layout, sources, run)
+        )
+        start += steps
+    return plans
+
+
+def total_steps(plans: list[StagePlan]) -> int:
+    return plans[-1].end_step
+
+
+def stage_at(plans: list[StagePlan], step: int) -> Optional[StagePlan]:
+    """The stage that global step `step` belongs to (None past the end)."""
+    for p in plans:
+        if p.contains(step):
+            return p
+    return None
+
+
+def next_step_to_run(plans: list[StagePlan], step: int) -> Optional[int]:
+    """The first global step >= `step` that lies in a stage this launch runs (None: nothing left)."""
+    for p in plans:
+        if p.run and step < p.end_step:
+            return max(step, p.start_step)
+    return None
+
+
+def last_step_to_run(plans: list[StagePlan]) -> int:
+    return max(p.end_step for p in plans if p.run)

@@ -1,0 +1,142 @@
+"""Stage-end evaluation: is the longer context being used?
+
+1. Loss by token position: per-token cross-entropy on held-out sequences of the stage's
+   length, averaged in buckets of the position inside its document segment
+   ([0, 64), [64, 128), [128, 256), ... doubling up to seq_len). Later positions see more
+   context; if the model uses it, their loss is lower.
+2. Passkey retrieval at the stage's length (moe_lc.data.synthetic): loss and accuracy on the
+   answer tokens of a number stated once, at a random depth, and asked for at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+FIRST_BUCKET = 64
+LOGIT_CHUNK = 8192  # positions per fp32 cross-entropy chunk (bounds the upcast's memory)
+
+
+def position_buckets(seq_len: int, first: int = FIRST_BUCKET) -> list[tuple[int, int]]:
+    """[0, first), [first, 2 first), [2 first, 4 first), ... ending at seq_len."""
+    edges = [0]
+    edge = min(first, seq_len)
+    while edge < seq_len:
+        edges.append(edge)
+        edge *= 2
+    edges.append(seq_len)
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def positions_in_documents(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
+    """For each of `length` packed positions, its offset from the start of its document segment."""
+    cu = cu_seqlens.long().cpu()
+    starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])
+    return torch.arange(length) - starts
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-position cross-entropy in fp32 (0 where ignored), chunked to bound memory. logits [1, N, V]."""
+    logits = _full(logits).reshape(-1, logits.shape[-1])
+    labels = labels.reshape(-1).to(logits.device)
+    out = torch.zeros(labels.shape[0], dtype=torch.float32, device=logits.device)
+    for s in range(0, labels.shape[0], LOGIT_CHUNK):
+        out[s : s + LOGIT_CHUNK] = F.cross_entropy(
+            logits[s : s + LOGIT_CHUNK].float(), labels[s : s + LOGIT_CHUNK], ignore_index=IGNORE_INDEX, reduction="none"
+        )
+    return out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def bucket_losses(losses: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor, seq_len: int) -> list[dict[str, Any]]:
+    """Mean loss and token count per position bucket (labelled positions only)."""
+    labels = labels.reshape(-1).cpu()
+    losses = losses.cpu().double()
+    valid = labels != IGNORE_INDEX
+    out = []
+    for lo, hi in position_buckets(seq_len):
+        sel = valid & (positions >= lo) & (positions < hi)
+        n = int(sel.sum())
+        out.append({"lo": lo, "hi": hi, "tokens": n, "loss_sum": float(losses[sel].sum()) if n else 0.0})
+    return out
+
+
+def merge_buckets(parts: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    merged = [dict(b) for b in parts[0]]
+    for part in parts[1:]:
+        for m, b in zip(merged, part):
+            m["tokens"] += b["tokens"]
+            m["loss_sum"] += b["loss_sum"]
+    for m in merged:
+        m["loss"] = m["loss_sum"] / m["tokens"] if m["tokens"] else None
+        del m["loss_sum"]
+    return merged
+
+
+@torch.no_grad()
+def evaluate_stage(
+    model: torch.nn.Module,
+    eval_dataset: Any,
+    seq_len: int,
+    sequences: int,
+    passkey_documents: int,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    tokenizer: str = "byte",
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Loss by position on `sequences` held-out sequences and passkey retrieval; restores train mode."""
+    from moe_lc.data import answer_batch, collate, score_answers, synthetic_documents
+
+    was_training = model.training
+    model.eval()
+    result: dict[str, Any] = {"seq_len": seq_len}
+    try:
+        parts, total, count = [], 0.0, 0
+        for i in range(sequences):
+            batch = collate([eval_dataset[i]])
+            with autocast():
+                out = model(batch.input_ids.to(device), cu_seqlens=batch.cu_seqlens.to(device))
+            losses = token_losses(out.logits, batch.labels)
+            positions = positions_in_documents(batch.cu_seqlens, batch.input_ids.shape[1])
+            parts.append(bucket_losses(losses, batch.labels, positions, seq_len))
+            total += float(losses.double().sum())
+            count += batch.num_label_tokens
+        if parts:
+            result["buckets"] = merge_buckets(parts)
+            result["loss"] = total / count if count else None
+            result["tokens"] = count
+        if passkey_documents > 0:
+            docs = synthetic_documents("passkey", passkey_documents, seq_len, seed=seed, tokenizer=tokenizer)
+            batch = answer_batch(docs)
+            with autocast():
+                out = model(batch.input_ids.to(device), cu_seqlens=batch.cu_seqlens.to(device))
+            scores = score_answers(_full(out.logits), batch)
+            result["passkey_loss"] = scores["answer_loss"]
+            result["passkey_accuracy"] = scores["answer_accuracy"]
+    finally:
+        model.train(was_training)
+    return result
+
+
+def describe_eval(result: dict[str, Any]) -> Optional[str]:
+    """One console line: mean loss, first and last position bucket, passkey accuracy."""
+    parts = []
+    if result.get("loss") is not None:
+        parts.append(f"eval loss {result['loss']:.4f}")
+        buckets = [b for b in result.get("buckets", []) if b["loss"] is not None]
+        if len(buckets) >= 2:
+            first, last = buckets[0], buckets[-1]
+            parts.append(
+                f"pos [{first['lo']},{first['hi']}) {first['loss']:.3f} -> [{last['lo']},{last['hi']}) {last['loss']:.3f}"
+            )
+    if "passkey_accuracy" in result:
+        parts.append(f"passkey acc {result['passkey_accuracy']:.2f} (loss {result['passkey_loss']:.3f})")
+    return ", ".join(parts) or None

@@ -1,0 +1,166 @@
+"""Find, list and compose the Hydra recipes in `recipes/`.
+
+A recipe is a YAML file at the top of the recipe directory (`smoke.yaml`, `proxy-8k.yaml`, ...);
+the sub-directories are config groups it composes (`model/`, `layout/`, `curriculum/`,
+`data/`, `optim/`). `recipe=NAME` on the command line picks the file; every other argument
+is a Hydra override (`key=value`, `group=option`, `+new.key=value`, `~key`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from moe_lc.config import ConfigError
+from moe_lc.train.config import PRESET_GROUP, SCHEMA_NAME, TrainConfig, register_configs
+
+DEFAULT_RECIPE = "smoke"
+GROUPS = ("model", "layout", "curriculum", "data", "optim")
+RECIPES_ENV = "MOE_LC_RECIPES"
+
+
+def recipes_dir(override: Optional[str] = None) -> Path:
+    """`override`, else $MOE_LC_RECIPES, else the `recipes/` directory next to the package."""
+    candidates = [override, os.environ.get(RECIPES_ENV), Path(__file__).resolve().parents[2] / "recipes"]
+    for c in candidates:
+        if c:
+            path = Path(c).expanduser().resolve()
+            if not path.is_dir():
+                raise ConfigError(f"recipe directory {path} does not exist; point {RECIPES_ENV} or recipes_dir= at one")
+            return path
+    raise ConfigError("no recipe directory")  # pragma: no cover - the last candidate is always set
+
+
+def available_recipes(root: Optional[Path] = None) -> list[str]:
+    root = root or recipes_dir()
+    return sorted(p.stem for p in root.glob("*.yaml"))
+
+
+def available_options(group: str, root: Optional[Path] = None) -> list[str]:
+    root = root or recipes_dir()
+    return sorted(p.stem for p in (root / group).glob("*.yaml"))
+
+
+def split_recipe_args(args: Sequence[str]) -> tuple[str, Optional[str], list[str]]:
+    """(recipe, recipes_dir, remaining Hydra overrides) from `recipe=NAME recipes_dir=DIR key=value ...`."""
+    recipe, rdir, rest = DEFAULT_RECIPE, None, []
+    for arg in args:
+        if arg.startswith("recipe="):
+            recipe = arg.split("=", 1)[1]
+        elif arg.startswith("recipes_dir="):
+            rdir = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    return recipe, rdir, rest
+
+
+def compose_recipe(
+    recipe: str = DEFAULT_RECIPE, overrides: Sequence[str] = (), root: Optional[Path] = None
+) -> TrainConfig:
+    """Compose `recipe` with `overrides` into a typed, validated TrainConfig."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    root = root or recipes_dir()
+    names = available_recipes(root)
+    if recipe not in names:
+        raise ConfigError(f"unknown recipe {recipe!r}; available recipes: {', '.join(names)} (in {root})")
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(root), version_base=None, job_name="moe_lc_train"):
+            composed = compose(config_name=recipe, overrides=[*overrides, f"recipe={recipe}"])
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(_explain_compose_error(err, root)) from err
+    finally:
+        GlobalHydra.instance().clear()
+    try:
+        cfg: TrainConfig = OmegaConf.to_object(composed)
+    except OmegaConfBaseException as err:
+        raise ConfigError(
+            f"recipe {recipe!r}: {_first_line(err)}: {getattr(err, 'full_key', '')}; set it in the recipe or on the command line"
+        ) from err
+    if not isinstance(cfg, TrainConfig):
+        raise ConfigError(
+            f"recipe {recipe!r} does not build on the trainer schema; start its defaults list with `- {SCHEMA_NAME}`"
+        )
+    validate_train_config(cfg)
+    return cfg
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def _explain_compose_error(err: BaseException, root: Path) -> str:
+    text = str(err).strip()
+    for group in GROUPS:
+        if f"Could not find '{group}/" in text:
+            missing = text.split(f"Could not find '{group}/", 1)[1].split("'", 1)[0]
+            return f"unknown {group} {missing!r}; available: {', '.join(available_options(group, root))}"
+    if f"Could not find '{PRESET_GROUP}/" in text:
+        from moe_lc.presets import PRESETS
+
+        return f"unknown model preset in a recipes/model file; presets: {', '.join(sorted(PRESETS))}"
+    causes = [_first_line(err)]
+    cause = err.__cause__
+    while cause is not None:
+        causes.append(_first_line(cause))
+        cause = cause.__cause__
+    return ": ".join(causes)
+
+
+def validate_train_config(cfg: TrainConfig) -> TrainConfig:
+    """Reject settings that cannot run, naming the field and the fix (the layout is checked per stage later)."""
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(msg)
+
+    cfg.model.validate()
+    cfg.optim.validate()
+    need(cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:"), f"device={cfg.device!r}: use auto, cpu or cuda")
+    need(cfg.precision in ("auto", "fp32", "bf16"), f"precision={cfg.precision!r}: use auto, fp32 or bf16")
+    need(cfg.max_steps is None or cfg.max_steps >= 0, f"max_steps={cfg.max_steps} must be >= 0 or null")
+    need(cfg.threads is None or cfg.threads >= 1, f"threads={cfg.threads} must be >= 1 or null")
+    need(
+        cfg.logging.progress in ("auto", "bar", "lines", "none"),
+        f"logging.progress={cfg.logging.progress!r}: use auto, bar, lines or none",
+    )
+    need(cfg.logging.every >= 1 and cfg.logging.loads_every >= 1, "logging.every and logging.loads_every must be >= 1")
+    need(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every} must be >= 0 (0: stage ends only)")
+    need(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
+    need(cfg.eval.sequences >= 0 and cfg.eval.passkey_documents >= 0, "eval.sequences and eval.passkey_documents must be >= 0")
+    need(bool(cfg.data.sources), "data.sources is empty: give at least one {prefix: ..., weight: ...}")
+
+    stages = cfg.curriculum.stages
+    need(bool(stages), f"curriculum {cfg.curriculum.name!r} has no stages; add some under curriculum.stages")
+    for name, st in stages.items():
+        where = f"curriculum.stages.{name}"
+        need(st.seq_len > 1, f"{where}.seq_len={st.seq_len} must be > 1")
+        need(st.global_batch_tokens > 0, f"{where}.global_batch_tokens={st.global_batch_tokens} must be > 0")
+        need(st.micro_batch >= 1, f"{where}.micro_batch={st.micro_batch} must be >= 1")
+        need(
+            (st.steps is None) != (st.tokens is None),
+            f"{where}: set exactly one of steps and tokens (got steps={st.steps}, tokens={st.tokens})",
+        )
+        need(st.steps is None or st.steps >= 1, f"{where}.steps={st.steps} must be >= 1")
+        need(st.tokens is None or st.tokens >= 1, f"{where}.tokens={st.tokens} must be >= 1")
+        for src in (st.data or []) + list(cfg.data.sources):
+            need(src.weight > 0, f"data source {src.prefix!r} has weight {src.weight}; weights must be > 0")
+    for name in cfg.curriculum.run or []:
+        need(
+            name in stages,
+            f"unknown stage {name!r} in curriculum.run; stages of curriculum {cfg.curriculum.name!r}: {', '.join(stages)}",
+        )
+    return cfg
+
+
+def config_to_dict(cfg: TrainConfig) -> dict:
+    """A JSON-able snapshot of the whole configuration (saved with every checkpoint)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
