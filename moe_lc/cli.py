@@ -72,6 +72,35 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train a recipe (Hydra overrides after `train`; see `moe-lc train --help`)."""
+    from moe_lc.train.main import run_train_cli
+
+    return run_train_cli(args.overrides)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Validate a recipe and print its plan (= moe-lc train recipe=NAME plan_only=true)."""
+    from moe_lc.train.main import run_train_cli
+
+    return run_train_cli([f"recipe={args.recipe}", "plan_only=true", *args.overrides])
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Render a run's plots and per-stage summary to PNG/Markdown."""
+    try:
+        from moe_lc.report import render_report
+
+        paths = render_report(args.run_dir, args.out)
+    except (OSError, ValueError, ImportError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    print(path.parent / "summary.md")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-lc", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -87,10 +116,26 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--json-key", default="text", help="JSONL field holding the text (default: text)")
     prep.add_argument("--eod-token", default=None, help="end-of-document token of a tokenizer.json, if not standard")
     prep.set_defaults(func=cmd_prepare_data)
+    train = sub.add_parser("train", help="train a recipe: moe-lc train [recipe=NAME] [key=value ...] (Hydra)")
+    train.add_argument("overrides", nargs=argparse.REMAINDER, help="recipe=NAME and Hydra overrides")
+    train.set_defaults(func=cmd_train)
+    plan = sub.add_parser("plan", help="validate a recipe and print its plan (memory, tokens, steps per stage)")
+    plan.add_argument("recipe", help="a recipe name, e.g. k3-8k (moe-lc train --list shows them)")
+    plan.add_argument("overrides", nargs=argparse.REMAINDER, help="Hydra overrides, e.g. layout.tp=4")
+    plan.set_defaults(func=cmd_plan)
+    report = sub.add_parser("report", help="plots (PNG) and a per-stage summary of a training run")
+    report.add_argument("run_dir", help="the run_dir of a `moe-lc train` run (holds metrics.jsonl)")
+    report.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
+    report.set_defaults(func=cmd_report)
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "train":  # everything after `train` is Hydra's (flags like --cfg included)
+        from moe_lc.train.main import run_train_cli
+
+        return run_train_cli(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

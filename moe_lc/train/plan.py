@@ -24,6 +24,7 @@ from moe_lc.config import ModelConfig
 from moe_lc.model.accounting import count_parameters, training_flops_per_token
 from moe_lc.train.config import TrainConfig
 from moe_lc.train.curriculum import StagePlan, plan_curriculum, total_steps
+from moe_lc.train.layout import engine_notes
 
 GiB = 1024**3
 H200_BF16_PEAK = 989e12
@@ -141,4 +142,7 @@ def plan_text(cfg: TrainConfig, world_size: int) -> str:
             f"  logits {est.logits_gib:6.2f}  => {est.total_gib:9.2f} | {est.total_recompute_gib:8.2f}"
             f"   ~{hours:,.1f} h on {p.layout.world_size} H200 at {PLAN_MFU:.0%} MFU"
         )
+    notes = sorted({n for p in plans for n in engine_notes(p.layout)})
+    if notes:
+        lines += ["", "not runnable yet (moe_lc.parallel): " + "; ".join(notes)]
     return "\n".join(lines)
