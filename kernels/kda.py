@@ -32,10 +32,12 @@ from torch import Tensor
 
 CHUNK = 64
 # Launch choices (benchmarked in kernels/NOTES.md); MOE_LC_KDA_TUNING="key=value,..." overrides.
-TUNING = dict(inverse="blocked", prep_warps=8, state_warps=4, state_stages=2, intra_warps=8, compose_warps=8)
+TUNING = dict(inverse="blocked", prep_warps=8, state_warps=4, state_stages=2, intra_warps=8, intra_bv=32,
+              bwd_states="fp32", intra_prec="tf32x3")
+_TEXT_TUNING = ("inverse", "bwd_states", "intra_prec")
 for _item in filter(None, os.environ.get("MOE_LC_KDA_TUNING", "").split(",")):
     _key, _value = _item.split("=")
-    TUNING[_key] = _value if _key == "inverse" else int(_value)
+    TUNING[_key] = _value if _key in _TEXT_TUNING else int(_value)
 GATE_SPAN_LIMIT = 5.5  # |g| per step above which exp(16 |g|) could overflow fp32/bf16 in a tile
 
 
@@ -51,6 +53,7 @@ class _Plan:
     seg_eos: Tensor  # end of the segment's sequence (masks the last, partial chunk)
     seq_seg0: Tensor
     seq_nseg: Tensor
+    compose_steps: tuple  # per step j: (sequences with a segment j, their segment j) as long tensors
     last_seg: Tensor  # [N] (long): last segment of each sequence
     first_seg: Tensor  # [N] (long)
     num_chunks: int
@@ -107,12 +110,17 @@ def build_plan(seq_lens: list[int], device: torch.device, segment_chunks: int | 
         return torch.tensor(x, dtype=torch.int32, device=device)
 
     first = torch.tensor(seq_seg0, dtype=torch.long)
-    last = first + torch.tensor(seq_nseg, dtype=torch.long) - 1
+    nseg = torch.tensor(seq_nseg, dtype=torch.long)
+    last = first + nseg - 1
+    steps = []
+    for j in range(int(nseg.max()) if len(seq_nseg) else 0):
+        seqs = torch.nonzero(nseg > j).flatten()
+        steps.append((seqs.to(device), (first[seqs] + j).to(device)))
     return _Plan(
         chunk_bos=ints(chunk_bos), chunk_eos=ints(chunk_eos),
         seg_chunk0=ints(seg_chunk0), seg_nchunks=ints(seg_nchunks), seg_bos=ints(seg_bos), seg_eos=ints(seg_eos),
         seq_seg0=ints(seq_seg0), seq_nseg=ints(seq_nseg),
-        last_seg=last.to(device), first_seg=first.to(device),
+        compose_steps=tuple(steps), last_seg=last.to(device), first_seg=first.to(device),
         num_chunks=len(chunk_bos), num_segments=len(seg_chunk0), num_seqs=len(seq_lens),
         segmented=len(seg_chunk0) > len(seq_lens),
     )
@@ -177,18 +185,35 @@ def _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, *, init, transition, out=
 
 
 def _segment_starts(kt, w, u, qg, kend, aqk, gc, plan, cfg, initial_state):
-    """Pass 1 + composition: (start state of every segment, transitions [NS, H, K, K])."""
+    """Pass 1 + composition: (start state of every segment, transitions [NS, H, K, K]).
+
+    The composition S_{j+1} = M_j S_j + S~_j is a short serial loop of batched fp32 matmuls.
+    """
     heads, key_dim = w.shape[1], w.shape[2]
     value_dim = u.shape[-1]
     buf = _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, init=None, transition=True)
+    s_tilde, transitions = buf[..., :value_dim], buf[..., value_dim:]
     starts = torch.empty(plan.num_segments, heads, key_dim, value_dim, device=w.device, dtype=torch.float32)
-    bv = cfg["BV"]
-    kt._compose_fwd_kernel[(value_dim // bv, plan.num_seqs * heads)](
-        buf, initial_state if initial_state is not None else buf, starts, plan.seq_seg0, plan.seq_nseg, heads,
-        K=key_dim, V=value_dim, BV=bv, HAS_INIT=initial_state is not None, DOT_PREC=cfg["dot"],
-        num_warps=TUNING["compose_warps"],
-    )
-    return starts, buf[..., value_dim:].contiguous()
+    state = (initial_state.clone() if initial_state is not None
+             else torch.zeros(plan.num_seqs, heads, key_dim, value_dim, device=w.device, dtype=torch.float32))
+    for seqs, segs in plan.compose_steps:
+        current = state[seqs]
+        starts[segs] = current
+        state[seqs] = torch.matmul(transitions[segs], current) + s_tilde[segs]
+    return starts, transitions.contiguous()
+
+
+def _segment_end_grads(dpart, transitions, dfinal, plan):
+    """dS at every segment end, last segment first: dS_end(j-1) = M_j^T dS_end(j) + dS~_j."""
+    num_seqs = plan.num_seqs
+    grad = (dfinal.clone() if dfinal is not None
+            else torch.zeros(num_seqs, *dpart.shape[1:], device=dpart.device, dtype=torch.float32))
+    dend = torch.empty_like(dpart)
+    for seqs, segs in reversed(plan.compose_steps):
+        current = grad[seqs]
+        dend[segs] = current
+        grad[seqs] = torch.matmul(transitions[segs].transpose(-1, -2), current) + dpart[segs]
+    return dend
 
 
 class _ChunkKDAFunction(torch.autograd.Function):
@@ -224,11 +249,12 @@ class _ChunkKDAFunction(torch.autograd.Function):
         bv = cfg["BV"]
         do = do.contiguous()
         w, u, qg, kend, aqk, gc, x = _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan, flags, cfg, True)
-        states = torch.empty(plan.num_chunks, heads, key_dim, value_dim, device=q.device, dtype=cfg["inter"])
+        bwd_dtype = torch.float32 if TUNING["bwd_states"] == "fp32" else cfg["inter"]
+        states = torch.empty(plan.num_chunks, heads, key_dim, value_dim, device=q.device, dtype=bwd_dtype)
         _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, init=seg_init, transition=False, states=states)
 
         dh = torch.empty_like(states)
-        ddelta = torch.empty(total, heads, value_dim, device=q.device, dtype=cfg["inter"])
+        ddelta = torch.empty(total, heads, value_dim, device=q.device, dtype=bwd_dtype)
         dstart = torch.empty(plan.num_segments, heads, key_dim, value_dim, device=q.device, dtype=torch.float32)
         dfinal = None if dfinal is None else dfinal.float().contiguous()
         grid = (value_dim // bv, plan.num_segments * heads)
@@ -239,11 +265,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
             kt._state_bwd_kernel[grid](qg, w, kend, aqk, gc, do, dh, ddelta, dstart, dpart,
                                        plan.seg_chunk0, plan.seg_nchunks, plan.seg_bos, plan.seg_eos, heads,
                                        HAS_INIT=False, STORE=False, **common)
-            dend = torch.empty_like(dstart)
-            kt._compose_bwd_kernel[(value_dim // bv, plan.num_seqs * heads)](
-                dpart, transitions, dfinal if dfinal is not None else dpart, dend, plan.seq_seg0, plan.seq_nseg,
-                heads, K=key_dim, V=value_dim, BV=bv, HAS_FINAL=dfinal is not None, DOT_PREC=cfg["dot"],
-                num_warps=TUNING["compose_warps"])
+            dend = _segment_end_grads(dpart, transitions, dfinal, plan)
         else:
             dend = dfinal
         kt._state_bwd_kernel[grid](qg, w, kend, aqk, gc, do, dh, ddelta, dend if dend is not None else dstart,
@@ -262,8 +284,9 @@ class _ChunkKDAFunction(torch.autograd.Function):
             plan.chunk_bos, plan.chunk_eos, x, states, dh, ddelta, do,
             dq, dk, dv, dgz, dbeta, dA_part, ddtb_part,
             flags.scale, flags.lower_bound, heads,
-            K=key_dim, V=value_dim, BT=CHUNK, GATE_IN_KERNEL=gate, HAS_DT_BIAS=dt_bias is not None,
-            L2NORM=flags.l2norm, BETA_SIGMOID=flags.beta_sigmoid, DOT_PREC=cfg["dot"], num_warps=TUNING["intra_warps"],
+            K=key_dim, V=value_dim, BV=min(TUNING["intra_bv"], value_dim), BT=CHUNK, GATE_IN_KERNEL=gate,
+            HAS_DT_BIAS=dt_bias is not None, L2NORM=flags.l2norm, BETA_SIGMOID=flags.beta_sigmoid, DOT_PREC=cfg["dot"],
+            PREC=cfg["dot"] if cfg["dot"] == "ieee" else TUNING["intra_prec"], num_warps=TUNING["intra_warps"],
             num_stages=1,
         )
         dA_log = dA_part.sum(0).to(A_log.dtype) if gate and A_log is not None and ctx.needs_input_grad[5] else None

@@ -15,8 +15,8 @@ Kernels (one launch each, all rows of a chunk in one program):
 - ``_state_fwd_kernel`` serial over the chunks of one segment: Delta, O, next state. With
                       ``TRANSITION`` it also carries K identity columns with zero values, which end as
                       the segment's transition M (S_end = M S_start + S~).
-- ``_compose_fwd_kernel`` serial over segments: segment start states S_j+1 = M_j S_j + S~_j.
-- ``_state_bwd_kernel`` / ``_compose_bwd_kernel``: the same, reversed, for dS (transition M^T).
+- ``_state_bwd_kernel``: the same, reversed, for dS (the transition is M^T).
+(The composition of segments, S_{j+1} = M_j S_j + S~_j, is a few batched matmuls in kernels/kda.py.)
 - ``_bwd_intra_kernel`` parallel over (chunk, head): every parameter gradient of one chunk from
                       its entering state, the state gradient after it and dDelta.
 
@@ -261,32 +261,6 @@ def _state_fwd_kernel(w, u, qg, kend, aqk, gc, o, states, seg_init, seg_end,
     tl.store(seg_end + ((seg.to(tl.int64) * H + h) * K + rk[:, None]) * V_END + (pv * BV + cv)[None, :], S)
 
 
-@triton.jit
-def _compose_fwd_kernel(seg_buf, init, seg_start, seq_seg0, seq_nseg, H,
-                        K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                        HAS_INIT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Segment start states: S_{j+1} = M_j S_j + S~_j, from ``seg_buf`` = [S~ | M] per segment."""
-    pv = tl.program_id(0)
-    nh = tl.program_id(1)
-    n = nh // H
-    h = nh % H
-    rk = tl.arange(0, K)
-    col = pv * BV + tl.arange(0, BV)
-    if HAS_INIT:
-        S = tl.load(init + ((n.to(tl.int64) * H + h) * K + rk[:, None]) * V + col[None, :])
-    else:
-        S = tl.zeros([K, BV], dtype=tl.float32)
-    j0 = tl.load(seq_seg0 + n)
-    nseg = tl.load(seq_nseg + n)
-    for j in range(0, nseg):
-        seg = (j0 + j).to(tl.int64)
-        tl.store(seg_start + ((seg * H + h) * K + rk[:, None]) * V + col[None, :], S)
-        base = seg_buf + ((seg * H + h) * K + rk[:, None]) * (V + K)
-        M = tl.load(base + V + rk[None, :])
-        St = tl.load(base + col[None, :])
-        S = tl.dot(M, S, input_precision=DOT_PREC) + St
-
-
 # ----------------------------------------------------------------------------- backward, state pass
 @triton.jit
 def _state_bwd_kernel(qg, w, kend, aqk, gc, do, dh, ddelta, seg_init, seg_start_grad,
@@ -333,40 +307,15 @@ def _state_bwd_kernel(qg, w, kend, aqk, gc, do, dh, ddelta, seg_init, seg_start_
     tl.store(seg_start_grad + ((seg.to(tl.int64) * H + h) * K + rk[:, None]) * V + col[None, :], dS)
 
 
-@triton.jit
-def _compose_bwd_kernel(dseg_buf, trans_buf, dfinal, seg_end_grad, seq_seg0, seq_nseg, H,
-                        K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                        HAS_FINAL: tl.constexpr, DOT_PREC: tl.constexpr):
-    """State gradients at segment ends, last segment first: dS_{end, j-1} = M_j^T dS_{end, j} + dS~_j."""
-    pv = tl.program_id(0)
-    nh = tl.program_id(1)
-    n = nh // H
-    h = nh % H
-    rk = tl.arange(0, K)
-    col = pv * BV + tl.arange(0, BV)
-    if HAS_FINAL:
-        dS = tl.load(dfinal + ((n.to(tl.int64) * H + h) * K + rk[:, None]) * V + col[None, :])
-    else:
-        dS = tl.zeros([K, BV], dtype=tl.float32)
-    j0 = tl.load(seq_seg0 + n)
-    nseg = tl.load(seq_nseg + n)
-    for j in range(0, nseg):
-        seg = (j0 + nseg - 1 - j).to(tl.int64)
-        tl.store(seg_end_grad + ((seg * H + h) * K + rk[:, None]) * V + col[None, :], dS)
-        M = tl.load(trans_buf + ((seg * H + h) * K + rk[:, None]) * K + rk[None, :])
-        dSt = tl.load(dseg_buf + ((seg * H + h) * K + rk[:, None]) * V + col[None, :])
-        dS = tl.dot(tl.trans(M), dS, input_precision=DOT_PREC) + dSt
-
-
 # ----------------------------------------------------------------------------- backward, parallel part
 @triton.jit
 def _bwd_intra_kernel(q, k, v, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
                       x_in, states, dh, ddelta, do,
                       dq, dk, dv, dgz, dbeta, dA_part, ddtb_part,
                       scale, lower_bound, H,
-                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                       GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
-                      BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr):
+                      BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr, PREC: tl.constexpr):
     """Every input gradient of one chunk, given its entering state S, dS after it and dDelta."""
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -390,33 +339,43 @@ def _bwd_intra_kernel(q, k, v, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
     eG = tl.exp(G)
     X = tl.load(x_in + ((c64 * H + h) * BT + rows[:, None]) * BT + cb[None, :])
     T = X * bv[None, :]
-    vv = tl.load(v + offv, mask=m2, other=0.0).to(tl.float32)
     kg = kv * eG
-    W = tl.dot(T, kg, input_precision=DOT_PREC)
-    U = tl.dot(T, vv, input_precision=DOT_PREC)
+    W = tl.dot(T, kg, input_precision=PREC)
 
-    # Gradients of the chunk's state-pass operands.
-    base_s = ((c64 * H + h) * K + ck[:, None]) * V + cv[None, :]
-    S = tl.load(states + base_s)
-    dH = tl.load(dh + base_s)
-    D = U - tl.dot(W.to(S.dtype), S, input_precision=DOT_PREC)
-    dOt = tl.load(do + offv, mask=m2, other=0.0).to(tl.float32)
-    dD = tl.load(ddelta + offv, mask=m2, other=0.0).to(tl.float32)
-    dgc = tl.sum(S.to(tl.float32) * dH.to(tl.float32), axis=1)  # [K]
-    dqg = tl.dot(dOt.to(S.dtype), tl.trans(S), input_precision=DOT_PREC)
-    dW = -tl.dot(dD.to(S.dtype), tl.trans(S), input_precision=DOT_PREC)
-    dkend = tl.dot(D.to(dH.dtype), tl.trans(dH), input_precision=DOT_PREC)
-    dAqk = tl.dot(dOt, tl.trans(D), input_precision=DOT_PREC)
+    # Gradients of the chunk's state-pass operands, V in blocks of BV (bounded shared memory).
+    Wb = W.to(states.dtype.element_ty)
+    dqg = tl.zeros([BT, K], dtype=tl.float32)
+    dW = tl.zeros([BT, K], dtype=tl.float32)
+    dkend = tl.zeros([BT, K], dtype=tl.float32)
+    dAqk = tl.zeros([BT, BT], dtype=tl.float32)
+    dT = tl.zeros([BT, BT], dtype=tl.float32)
+    dgc = tl.zeros([K], dtype=tl.float32)
+    for vb in tl.static_range(0, V // BV):
+        cvb = vb * BV + tl.arange(0, BV)
+        offb = ((bos + rows)[:, None] * H + h) * V + cvb[None, :]
+        vv = tl.load(v + offb, mask=m2, other=0.0).to(tl.float32)
+        base_s = ((c64 * H + h) * K + ck[:, None]) * V + cvb[None, :]
+        S = tl.load(states + base_s)
+        dH = tl.load(dh + base_s)
+        D = tl.dot(T, vv, input_precision=PREC) - tl.dot(Wb, S, input_precision=PREC)
+        dOt = tl.load(do + offb, mask=m2, other=0.0).to(tl.float32)
+        dD = tl.load(ddelta + offb, mask=m2, other=0.0).to(tl.float32)
+        dgc += tl.sum(S.to(tl.float32) * dH.to(tl.float32), axis=1)
+        dqg += tl.dot(dOt.to(S.dtype), tl.trans(S), input_precision=PREC)
+        dW -= tl.dot(dD.to(S.dtype), tl.trans(S), input_precision=PREC)
+        dkend += tl.dot(D.to(dH.dtype), tl.trans(dH), input_precision=PREC)
+        dAqk += tl.dot(dOt, tl.trans(D), input_precision=PREC)
+        dT += tl.dot(dD, tl.trans(vv), input_precision=PREC)  # U = T V
+        dvv = tl.dot(tl.trans(T), dD, input_precision=PREC)
+        tl.store(dv + offb, dvv.to(dv.dtype.element_ty), mask=m2)
     dAqk = tl.where(rows[:, None] >= cb[None, :], dAqk, 0.0)
 
-    # U = T V, W = T (Gamma K), T = X Diag(b), X = (I + Diag(b) R)^-1.
-    dT = tl.dot(dW, tl.trans(kg), input_precision=DOT_PREC) + tl.dot(dD, tl.trans(vv), input_precision=DOT_PREC)
-    dkg = tl.dot(tl.trans(T), dW, input_precision=DOT_PREC)
-    dvv = tl.dot(tl.trans(T), dD, input_precision=DOT_PREC)
-    tl.store(dv + offv, dvv.to(dv.dtype.element_ty), mask=m2)
+    # W = T (Gamma K), T = X Diag(b), X = (I + Diag(b) R)^-1.
+    dT += tl.dot(dW, tl.trans(kg), input_precision=PREC)
+    dkg = tl.dot(tl.trans(T), dW, input_precision=PREC)
     db = tl.sum(dT * X, axis=0)  # over rows i: d b_j from T = X Diag(b)
     dX = dT * bv[None, :]
-    dA = -tl.dot(tl.dot(tl.trans(X), dX, input_precision=DOT_PREC), tl.trans(X), input_precision=DOT_PREC)
+    dA = -tl.dot(tl.dot(tl.trans(X), dX, input_precision=PREC), tl.trans(X), input_precision=PREC)
     dA = tl.where(rows[:, None] > cb[None, :], dA, 0.0)
     R, Aqk = _scores(qs, kv, G, rows, BT, DOT_PREC)
     db += tl.sum(dA * R, axis=1)
@@ -434,20 +393,20 @@ def _bwd_intra_kernel(q, k, v, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
     kn1 = _in_tile(kn, rows, 1)
     kn2 = _in_tile(kn, rows, 2)
     kn3 = _in_tile(kn, rows, 3)
-    pk = tl.dot(dR, kn0, input_precision=DOT_PREC) * f0
-    pk += tl.dot(dR, kn1, input_precision=DOT_PREC) * f1
-    pk += tl.dot(dR, kn2, input_precision=DOT_PREC) * f2
-    pk += tl.dot(dR, kn3, input_precision=DOT_PREC) * f3
-    pq = tl.dot(dAqk, kn0, input_precision=DOT_PREC) * f0
-    pq += tl.dot(dAqk, kn1, input_precision=DOT_PREC) * f1
-    pq += tl.dot(dAqk, kn2, input_precision=DOT_PREC) * f2
-    pq += tl.dot(dAqk, kn3, input_precision=DOT_PREC) * f3
+    pk = tl.dot(dR, kn0, input_precision=PREC) * f0
+    pk += tl.dot(dR, kn1, input_precision=PREC) * f1
+    pk += tl.dot(dR, kn2, input_precision=PREC) * f2
+    pk += tl.dot(dR, kn3, input_precision=PREC) * f3
+    pq = tl.dot(dAqk, kn0, input_precision=PREC) * f0
+    pq += tl.dot(dAqk, kn1, input_precision=PREC) * f1
+    pq += tl.dot(dAqk, kn2, input_precision=PREC) * f2
+    pq += tl.dot(dAqk, kn3, input_precision=PREC) * f3
     dRt = tl.trans(dR)
     dAqkt = tl.trans(dAqk)
-    dkn = _in_tile(tl.dot(dRt, kv * f0, input_precision=DOT_PREC) + tl.dot(dAqkt, qs * f0, input_precision=DOT_PREC), rows, 0)
-    dkn += _in_tile(tl.dot(dRt, kv * f1, input_precision=DOT_PREC) + tl.dot(dAqkt, qs * f1, input_precision=DOT_PREC), rows, 1)
-    dkn += _in_tile(tl.dot(dRt, kv * f2, input_precision=DOT_PREC) + tl.dot(dAqkt, qs * f2, input_precision=DOT_PREC), rows, 2)
-    dkn += _in_tile(tl.dot(dRt, kv * f3, input_precision=DOT_PREC) + tl.dot(dAqkt, qs * f3, input_precision=DOT_PREC), rows, 3)
+    dkn = _in_tile(tl.dot(dRt, kv * f0, input_precision=PREC) + tl.dot(dAqkt, qs * f0, input_precision=PREC), rows, 0)
+    dkn += _in_tile(tl.dot(dRt, kv * f1, input_precision=PREC) + tl.dot(dAqkt, qs * f1, input_precision=PREC), rows, 1)
+    dkn += _in_tile(tl.dot(dRt, kv * f2, input_precision=PREC) + tl.dot(dAqkt, qs * f2, input_precision=PREC), rows, 2)
+    dkn += _in_tile(tl.dot(dRt, kv * f3, input_precision=PREC) + tl.dot(dAqkt, qs * f3, input_precision=PREC), rows, 3)
 
     kend_f = tl.exp(GC[None, :] - G)
     dkk = pk + dkn * E + dkg * eG + dkend * kend_f

@@ -132,7 +132,27 @@ def check(x, cu, h0, ref_dtype, seg=None):
     return errs
 
 
-def fuzz(device, trials, seed=1):
+def fla_errors(fla):
+    """fla's errors against the same float64 reference (the baseline's own accuracy)."""
+
+    def run(x, cu, h0):
+        params = list(x.values()) + ([h0] if h0 is not None else [])
+        o, s = fla(x, cu, h0, True)
+        gen = torch.Generator(device="cpu").manual_seed(5)
+        do = torch.randn(o.shape, generator=gen).to(o.device)
+        ds = torch.randn(s.shape, generator=gen).to(o.device)
+        grads = torch.autograd.grad((o.float() * do).sum() + (s.float() * ds).sum(), params, allow_unused=True)
+        ro, rs = reference(x, cu, h0, torch.float64)
+        rgrads = torch.autograd.grad((ro * do.double()).sum() + (rs * ds.double()).sum(), params)
+        names = list(x.keys()) + (["h0"] if h0 is not None else [])
+        errs = {"o": rel(o, ro), "final_state": rel(s, rs)}
+        errs.update({f"d{n}": (rel(a, b) if a is not None else float("inf")) for n, a, b in zip(names, grads, rgrads)})
+        return errs
+
+    return run
+
+
+def fuzz(device, trials, seed=1, fla_check=None):
     """Random shapes, lengths, documents, states and segmentations against the float64 reference."""
     rng = random.Random(seed)
     worst = 0.0
@@ -147,12 +167,21 @@ def fuzz(device, trials, seed=1):
         x, cu = make_inputs(1, total, heads, dim, docs, device, torch.bfloat16, seed + t)
         h0 = torch.randn(num_seqs(1, cu), heads, dim, dim, device=device, requires_grad=True) if rng.random() < 0.5 else None
         seg = rng.choice([0, 1, 2, 3])
-        errs = check(x, cu, h0, torch.float64, seg)
+        try:
+            errs = check(x, cu, h0, torch.float64, seg)
+        except Exception as exc:  # noqa: BLE001
+            print(f"fuzz {t}: FAILED {exc!r}"[:2000], flush=True)
+            errs = {"error": float("inf")}
         bad = max(errs.values())
         worst = max(worst, bad) if not math.isnan(bad) else float("nan")
         rows.append(dict(lens=lens, heads=heads, dim=dim, h0=h0 is not None, seg=seg, max_rel=bad))
         print(f"fuzz {t}: lens={lens} H={heads} d={dim} h0={h0 is not None} seg={seg} max rel {bad:.2e} "
-              f"({max(errs, key=errs.get)})", flush=True)
+              f"({', '.join(f'{k} {v:.1e}' for k, v in errs.items())})", flush=True)
+        if fla_check is not None and t < 4:
+            fla_errs = fla_check(x, cu, h0)
+            rows[-1]["fla"] = fla_errs
+            print(f"  fla on the same inputs: max rel {max(fla_errs.values()):.2e} "
+                  f"({', '.join(f'{k} {v:.1e}' for k, v in fla_errs.items())})", flush=True)
     return worst, rows
 
 
@@ -252,6 +281,7 @@ def main(argv=None):
     parser.add_argument("--seg-sweep", action="store_true", help="time segment lengths at the long shapes")
     parser.add_argument("--variants", default="", help="';'-separated TUNING overrides to time, e.g. "
                         "'inverse=loop;prep_warps=4'")
+    parser.add_argument("--fuzz-variant", default="", help="TUNING override for a second, shorter fuzz")
     parser.add_argument("--variant-shapes", default="B8_T4K,B1_T64K")
     parser.add_argument("--check-shapes", default="B8_T4K,B2_T16K,B1_T64K,B1_T256K,B2_T8K_H64,varlen_64K")
     args = parser.parse_args(argv)
@@ -272,9 +302,34 @@ def main(argv=None):
 
     if not args.no_check:
         t0 = time.time()
-        worst, rows = fuzz(device, args.fuzz)
+        fla = fla_fn()
+        worst, rows = fuzz(device, args.fuzz, fla_check=fla_errors(fla) if fla is not None else None)
+        if args.fuzz_variant:
+            from moe_lc_kernels import kda as kda_mod
+
+            base = dict(kda_mod.TUNING)
+            kda_mod.TUNING.update({k: v for k, v in (i.split("=") for i in args.fuzz_variant.split(","))})
+            print(f"fuzz with {args.fuzz_variant}:", flush=True)
+            report["fuzz_variant"] = fuzz(device, 4)
+            kda_mod.TUNING.clear()
+            kda_mod.TUNING.update(base)
         report["fuzz"] = {"worst_rel": worst, "trials": rows}
         print(f"fuzz worst rel vs float64: {worst:.2e} ({time.time() - t0:.0f} s)", flush=True)
+    impls = {"ours": ours, "fla": fla_fn(), "torch": lambda x, cu: reference(x, cu, None, torch.float32)}
+    results = []
+    for name in args.shapes.split(","):
+        if not name:
+            continue
+        try:
+            r = bench_shape(name, impls, bandwidth, flops, device, not args.no_torch)
+        except Exception as exc:  # noqa: BLE001
+            print(f"bench {name}: FAILED {exc!r}"[:2000], flush=True)
+            continue
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        print_table([r])
+    report["results"] = results
+    if not args.no_check:
         report["checks"] = {}
         for name in args.check_shapes.split(","):
             if not name:
@@ -289,16 +344,6 @@ def main(argv=None):
                   f"({', '.join(f'{k} {v:.1e}' for k, v in errs.items())}) [{time.time() - t0:.0f} s]", flush=True)
             del x, h0
             torch.cuda.empty_cache()
-
-    impls = {"ours": ours, "fla": fla_fn(), "torch": lambda x, cu: reference(x, cu, None, torch.float32)}
-    results = []
-    for name in args.shapes.split(","):
-        if not name:
-            continue
-        r = bench_shape(name, impls, bandwidth, flops, device, not args.no_torch)
-        results.append(r)
-        print(json.dumps(r), flush=True)
-    report["results"] = results
 
     if args.variants:
         from moe_lc_kernels import kda as kda_mod
