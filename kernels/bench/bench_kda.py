@@ -281,6 +281,7 @@ def main(argv=None):
     parser.add_argument("--seg-sweep", action="store_true", help="time segment lengths at the long shapes")
     parser.add_argument("--variants", default="", help="';'-separated TUNING overrides to time, e.g. "
                         "'inverse=loop;prep_warps=4'")
+    parser.add_argument("--seg-shapes", default="B1_T64K")
     parser.add_argument("--fuzz-variant", default="", help="TUNING override for a second, shorter fuzz")
     parser.add_argument("--variant-shapes", default="B8_T4K,B1_T64K")
     parser.add_argument("--check-shapes", default="B8_T4K,B2_T16K,B1_T64K,B1_T256K,B2_T8K_H64,varlen_64K")
@@ -371,10 +372,10 @@ def main(argv=None):
 
     if args.seg_sweep:
         sweep = []
-        for name in ("B2_T16K", "B1_T64K", "B1_T256K"):
+        for name in args.seg_shapes.split(","):
             batch, seq_len, heads, docs = SHAPES[name]
             x, cu = make_inputs(batch, seq_len, heads, 128, docs, device, torch.bfloat16, 7)
-            for seg in (0, 8, 16, 32, 64, 128, None):
+            for seg in (0, 16, 32, 64, None):
                 fn = lambda x, cu, seg=seg: ours(x, cu, segment_chunks=seg)  # noqa: E731
                 with torch.no_grad():
                     f_ms = time_fn(lambda: fn(x, cu))
