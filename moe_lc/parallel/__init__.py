@@ -1,0 +1,44 @@
+"""Parallelism around the model (SPEC 3): device meshes, TP + SP, EP, FSDP2 / ZeRO-1.
+
+Typical use (every rank, after ``torch.distributed.init_process_group``)::
+
+    layout = ParallelLayout(dp_shard=2, tp=2, ep=2)
+    mesh = build_mesh(layout)
+    model = parallelize(build_model(cfg, device, seed=0), layout, mesh)
+    optimizer = build_optimizer(model, torch.optim.AdamW, lr=3e-4)
+    dp_rank, dp_size = data_parallel_info(mesh)          # which samples this rank reads
+    ...  # per micro-batch: loss = out.lm_loss * local_label_tokens / global_label_tokens(...)
+    finish_gradient_sync(model); clip_grad_norm_(model.parameters(), 1.0); optimizer.step()
+    for moe in model.moe_layers(): moe.balancer.update(balance_group(mesh))
+
+See docs/parallelism.md.
+"""
+
+from moe_lc.parallel.data_parallel import build_optimizer, clip_grad_norm_, finish_gradient_sync, set_gradient_sync
+from moe_lc.parallel.layout import ParallelLayout
+from moe_lc.parallel.mesh import (
+    balance_group,
+    build_expert_mesh,
+    build_mesh,
+    data_parallel_group,
+    data_parallel_info,
+    global_label_tokens,
+)
+from moe_lc.parallel.parallelize import ParallelContext, parallel_context, parallelize
+
+__all__ = [
+    "ParallelLayout",
+    "ParallelContext",
+    "build_mesh",
+    "build_expert_mesh",
+    "parallelize",
+    "parallel_context",
+    "data_parallel_info",
+    "data_parallel_group",
+    "balance_group",
+    "global_label_tokens",
+    "build_optimizer",
+    "set_gradient_sync",
+    "finish_gradient_sync",
+    "clip_grad_norm_",
+]

@@ -1,0 +1,175 @@
+"""Multi-process test harness (CPU, gloo) and the shared training step of the parallel tests.
+
+``run_distributed(fn, world_size, *args)`` runs ``fn(*args)`` on ``world_size`` spawned ranks with
+a hard timeout, and returns each rank's result. Workers rendezvous through a file store in a
+fresh temporary directory (no ports to race for), use one thread each (the machine has two
+cores), and always destroy their process group. A worker failure re-raises in the test with
+its traceback; a timeout kills the workers this call started.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+
+from moe_lc.model.transformer import IGNORE_INDEX
+
+
+# ----------------------------------------------------------------------------- spawning
+def _worker(fn: Callable, rank: int, world_size: int, store: str, out_dir: str, args: tuple) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    result: dict[str, Any] = {}
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+        )
+        result["value"] = fn(*args)
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result["error"] = traceback.format_exc()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 50.0) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks; returns the per-rank return values."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="moe_lc_dist_") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_worker, args=(fn, r, world_size, store, tmp, args), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        if hung:
+            raise TimeoutError(f"ranks {hung} of {world_size} did not finish within {timeout:.0f}s (killed)")
+        results = []
+        for r in range(world_size):
+            path = os.path.join(tmp, f"rank{r}.pt")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {r} exited with code {procs[r].exitcode} without reporting a result")
+            res = torch.load(path, weights_only=False)
+            if "error" in res:
+                raise RuntimeError(f"rank {r} failed:\n{res['error']}")
+            results.append(res["value"])
+        return results
+
+
+# ----------------------------------------------------------------------------- data
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # [1, N] packed
+    labels: torch.Tensor  # [1, N]
+    cu_seqlens: torch.Tensor  # [docs + 1] int32
+
+    @property
+    def label_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+
+def make_samples(num: int, seq_len: int, vocab: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
+    """Deterministic samples (ids, labels, document lengths): two documents each, ragged ignored labels."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(num):
+        ids = torch.randint(0, vocab, (seq_len,), generator=g)
+        cut = int(torch.randint(3, seq_len - 3, (1,), generator=g))
+        lengths = [cut, seq_len - cut]
+        labels = torch.full((seq_len,), IGNORE_INDEX, dtype=torch.long)
+        start = 0
+        for n in lengths:
+            labels[start : start + n - 1] = ids[start + 1 : start + n]
+            start += n
+        drop = torch.rand(seq_len, generator=g) < 0.2
+        labels[drop] = IGNORE_INDEX
+        samples.append((ids, labels, lengths))
+    return samples
+
+
+def pack(samples: list) -> MicroBatch:
+    ids = torch.cat([s[0] for s in samples]).unsqueeze(0)
+    labels = torch.cat([s[1] for s in samples]).unsqueeze(0)
+    lengths = [n for s in samples for n in s[2]]
+    cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return MicroBatch(ids, labels, cu)
+
+
+def rank_micro_batches(samples: list, dp_rank: int, dp_size: int, micro: int) -> list[MicroBatch]:
+    """This data-parallel rank's contiguous share of the global batch, cut into ``micro`` micro-batches."""
+    share = len(samples) // dp_size
+    mine = samples[dp_rank * share : (dp_rank + 1) * share]
+    per = len(mine) // micro
+    return [pack(mine[i * per : (i + 1) * per]) for i in range(micro)]
+
+
+# ----------------------------------------------------------------------------- training step
+def train_step(model, optimizer, micro_batches: list[MicroBatch], mesh=None, grads: Optional[dict] = None) -> float:
+    """Forward/backward over the micro-batches, optimizer step and QB update; returns the global mean loss.
+
+    Each micro-batch's summed token loss is divided by the label tokens of the whole step on
+    every data-parallel rank (gradients are summed over ranks).
+    """
+    from moe_lc.parallel import (
+        balance_group,
+        data_parallel_group,
+        finish_gradient_sync,
+        global_label_tokens,
+        set_gradient_sync,
+    )
+
+    local_tokens = sum(mb.label_tokens for mb in micro_batches)
+    total = global_label_tokens(local_tokens, mesh)
+    loss_sum = torch.zeros(())
+    for i, mb in enumerate(micro_batches):
+        set_gradient_sync(model, i == len(micro_batches) - 1)
+        out = model(mb.input_ids, labels=mb.labels, cu_seqlens=mb.cu_seqlens, return_logits=False)
+        loss = out.lm_loss * (mb.label_tokens / total)
+        loss.backward()
+        loss_sum += loss.detach()
+    finish_gradient_sync(model)
+    if grads is not None:  # global gradients before the update (collective under DTensor)
+        grads.update({name: full_tensor(p.grad) for name, p in model.named_parameters()})
+    optimizer.step()
+    optimizer.zero_grad()
+    group = balance_group(mesh) if mesh is not None else None
+    for moe in model.moe_layers():
+        moe.balancer.update(group)
+    if mesh is not None and data_parallel_group(mesh) is not None:
+        dist.all_reduce(loss_sum, group=data_parallel_group(mesh))
+    return float(loss_sum)
+
+
+def full_tensor(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if t is None:
+        return None
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    """Global parameter values by name (collective under DTensor: every rank must call it)."""
+    return {name: full_tensor(p) for name, p in model.named_parameters()}
+
+
+def biases(model) -> torch.Tensor:
+    return torch.stack([m.balancer.bias.detach().clone() for m in model.moe_layers()])
