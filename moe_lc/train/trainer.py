@@ -22,6 +22,7 @@ import math
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TextIO
@@ -78,6 +79,8 @@ class Trainer:
 
     def run(self) -> RunSummary:
         rt = init_runtime(self.cfg.device, self.cfg.precision, self.cfg.threads)
+        if not rt.distributed:  # DCP notes on every save/load that it runs single-process; we know
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
         for s in STOP_SIGNALS:
             signal.signal(s, self._request_stop)

@@ -1,0 +1,96 @@
+"""Bad input stops the trainer with exit code 2 and a message that names the problem and the fix:
+missing data, unknown recipe/stage, corrupt checkpoint, tokenizer/vocab mismatch, and a
+checkpoint of another model or tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from moe_lc.train.main import run_train_cli
+
+ONE_STEP = [
+    "curriculum.run=[ctx256]",
+    "curriculum.stages.ctx256.steps=2",
+    "curriculum.stages.ctx256.global_batch_tokens=512",
+    "curriculum.stages.ctx256.micro_batch=2",
+    "eval.sequences=0",
+    "eval.passkey_documents=0",
+    "logging.progress=none",
+    "logging.tensorboard=false",
+    "report.at_end=false",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_cache(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MOE_LC_CACHE", str(tmp_path_factory.getbasetemp() / "moe_lc_cache"))
+    yield
+    mp.undo()
+
+
+def _fails(capsys, *args: str) -> str:
+    assert run_train_cli(list(args)) == 2
+    return capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("trained")
+    assert run_train_cli([*ONE_STEP, f"run_dir={run_dir}", "checkpoint.every=1"]) == 0
+    return run_dir
+
+
+def test_missing_data_path_names_it_and_prepare_data(capsys, tmp_path):
+    err = _fails(capsys, *ONE_STEP, f"run_dir={tmp_path}", "data=custom",
+                 "data.sources=[{prefix: /no/such/corpus, weight: 1.0}]")
+    assert "/no/such/corpus" in err and "moe-lc prepare-data" in err
+
+
+def test_unknown_recipe_and_stage_list_the_choices(capsys):
+    err = _fails(capsys, "recipe=smokey")
+    assert "unknown recipe 'smokey'" in err and "proxy-curriculum" in err
+    err = _fails(capsys, "curriculum.run=[ctx99]")
+    assert "unknown stage 'ctx99'" in err and "ctx256, ctx1k, ctx4k, ctx16k" in err
+
+
+def test_vocab_too_small_for_the_data_is_a_tokenizer_mismatch(capsys, tmp_path):
+    # byte-level data has 258 ids; a model with 200 cannot embed them
+    err = _fails(capsys, *ONE_STEP, f"run_dir={tmp_path}", "model.vocab_size=200")
+    assert "vocab" in err and "258" in err
+
+
+def test_corrupt_checkpoint_is_refused_with_the_previous_one_suggested(capsys, trained, tmp_path):
+    ckpt = trained / "checkpoints" / "step_00000002"
+    victim = max(ckpt.rglob("*.distcp"), key=lambda p: p.stat().st_size)
+    copy = tmp_path / "copy"
+    import shutil
+
+    shutil.copytree(trained / "checkpoints", copy)
+    bad = copy / "step_00000002" / victim.relative_to(ckpt)
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])  # truncated tensor file
+    err = _fails(capsys, *ONE_STEP, f"run_dir={tmp_path / 'run'}", f"resume={copy / 'step_00000002'}")
+    assert "corrupt" in err and "step_00000001" in err
+    # resume=auto skips the corrupt newest checkpoint and continues from the valid one
+    assert run_train_cli([*ONE_STEP, f"run_dir={tmp_path / 'auto'}", "checkpoint.dir=" + str(copy),
+                          "resume=auto"]) == 0
+    assert "resuming at step 1" in (tmp_path / "auto" / "train.log").read_text()
+
+
+def test_resume_refuses_another_model_or_tokenizer(capsys, trained):
+    err = _fails(capsys, *ONE_STEP, f"run_dir={trained}", "model.d_model=96", "resume=auto")
+    assert "different model" in err and "d_model" in err
+    err = _fails(capsys, *ONE_STEP, f"run_dir={trained}", "data.tokenizer=/models/other/tokenizer.json", "resume=auto")
+    assert "tokenizer/vocab mismatch" in err
+
+
+def test_fresh_start_over_existing_checkpoints_is_refused(capsys, trained):
+    err = _fails(capsys, *ONE_STEP, f"run_dir={trained}", "resume=none")
+    assert "resume=auto" in err and "run_dir" in err
+
+
+def test_missing_resume_path(capsys, tmp_path):
+    err = _fails(capsys, *ONE_STEP, f"run_dir={tmp_path}", f"resume={tmp_path / 'nowhere'}")
+    assert "no checkpoint" in err

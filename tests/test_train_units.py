@@ -1,0 +1,129 @@
+"""Pieces of the trainer checked against direct computations: data split over ranks and
+micro-batches, position buckets, loss weighting, balancer state packing, progress, sinks, MFU."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+
+from moe_lc.metrics import Progress, mfu, read_jsonl
+from moe_lc.metrics.sinks import JsonlWriter, truncate_after_step, wandb_mode
+from moe_lc.model.balancing import ExpertBalancer
+from moe_lc.train.balancer_state import pack_balancer_state
+from moe_lc.train.curriculum import plan_curriculum
+from moe_lc.train.data import StageData
+from moe_lc.train.evaluation import bucket_losses, merge_buckets, position_buckets, positions_in_documents, token_losses
+from moe_lc.train.recipes import compose_recipe
+
+
+def test_micro_batches_cover_each_global_batch_once_for_any_split():
+    for layout, world in (("single", 1), ("dp2", 2)):
+        cfg = compose_recipe("smoke", [f"layout={layout}", "curriculum.stages.ctx16k.global_batch_tokens=32768"])
+        for plan in plan_curriculum(cfg, world):
+            data = StageData(plan, dataset=None, prefixes=())
+            consumed = 3 * plan.sequences_per_step
+            seen = [i for r in range(plan.layout.dp) for mb in data.micro_batch_indices(consumed, r) for i in mb]
+            assert sorted(seen) == list(range(consumed, consumed + plan.sequences_per_step))
+            assert all(len(mb) == plan.micro_batch for mb in data.micro_batch_indices(consumed, 0))
+
+
+def test_position_buckets_double_and_cover_the_sequence():
+    assert position_buckets(256) == [(0, 64), (64, 128), (128, 256)]
+    b = position_buckets(16384)
+    assert b[0] == (0, 64) and b[-1] == (8192, 16384)
+    assert all(lo2 == hi1 for (_, hi1), (lo2, _) in zip(b, b[1:]))
+    assert position_buckets(40) == [(0, 40)]
+
+
+def test_positions_in_documents_restart_at_each_boundary():
+    cu = torch.tensor([0, 3, 7, 8, 12], dtype=torch.int32)
+    expected = [0, 1, 2, 0, 1, 2, 3, 0, 0, 1, 2, 3]
+    assert positions_in_documents(cu, 12).tolist() == expected
+
+
+def test_bucket_losses_equal_a_direct_average():
+    torch.manual_seed(0)
+    n, vocab, seq_len = 300, 11, 300
+    logits = torch.randn(1, n, vocab)
+    labels = torch.randint(0, vocab, (1, n))
+    labels[0, ::7] = -100
+    cu = torch.tensor([0, 100, 250, 300])
+    losses = token_losses(logits, labels)
+    ref = F.cross_entropy(logits[0], labels[0].clamp_min(0), reduction="none")
+    assert torch.allclose(losses[labels[0] != -100], ref[labels[0] != -100], atol=1e-6)
+    pos = positions_in_documents(cu, n)
+    merged = merge_buckets([bucket_losses(losses, labels, pos, seq_len)])
+    for b in merged:
+        sel = [i for i in range(n) if b["lo"] <= pos[i] < b["hi"] and labels[0, i] != -100]
+        assert b["tokens"] == len(sel)
+        if sel:
+            assert math.isclose(b["loss"], float(ref[sel].double().mean()), rel_tol=1e-6)
+
+
+def test_balancer_state_round_trips_through_one_tensor():
+    torch.manual_seed(0)
+    for exact in (False, True):
+        src, dst = ExpertBalancer(8, 2, exact=exact), ExpertBalancer(8, 2, exact=exact)
+        pack_balancer_state(src), pack_balancer_state(dst)
+        src.train()
+        src.select(torch.rand(50, 8))  # a step half-way: accumulators are non-empty
+        sd = src.state_dict()
+        extra = [v for k, v in sd.items() if k.endswith("_extra_state")]
+        assert len(extra) == 1 and isinstance(extra[0], torch.Tensor)
+        dst.load_state_dict(sd)
+        src.update(), dst.update()
+        assert torch.equal(src.bias, dst.bias) and torch.equal(src.last_loads, dst.last_loads)
+
+
+def test_progress_prints_lines_off_a_terminal_and_one_live_line_on_it():
+    out = io.StringIO()
+    p = Progress(10, mode="auto", every=5, stream=out)
+    for step in range(1, 11):
+        p.update(step, "s", 2.0, 1000.0, 3.0)
+    p.message("done")
+    lines = out.getvalue().splitlines()
+    assert [ln.split()[2] for ln in lines[:2]] == ["5/10", "10/10"] and lines[-1] == "done"
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    p = Progress(3, stream=tty)
+    p.update(1, "s", 2.0, 1500.0, 61.0)
+    p.update(2, "s", 1.5, 1500.0, 30.0)
+    p.close()
+    text = tty.getvalue()
+    assert text.count("\r") == 2 and text.count("\n") == 1 and "1.5K tok/s" in text and "ETA 30s" in text
+
+
+def test_jsonl_truncation_and_torn_lines(tmp_path):
+    path = tmp_path / "m.jsonl"
+    w = JsonlWriter(path)
+    for s in range(1, 6):
+        w.write({"step": s, "loss": float(s)})
+    w.close()
+    with open(path, "a") as fh:
+        fh.write('{"step": 6, "lo')  # a writer killed mid-line
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3, 4, 5]
+    truncate_after_step(path, 3)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_wandb_is_offline_without_credentials(monkeypatch, tmp_path):
+    for var in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    assert wandb_mode(None) == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x")
+    assert wandb_mode(None) == "online"
+    assert wandb_mode("disabled") == "disabled"
+
+
+def test_mfu_is_model_flops_over_peak():
+    assert mfu(1000.0, 6e9, 1e15, 2) == 1000.0 * 6e9 / 2e15
+    assert mfu(1000.0, 6e9, None, 1) is None
