@@ -9,6 +9,7 @@ its traceback; a timeout kills the workers this call started.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
@@ -29,6 +30,8 @@ from moe_lc.model.transformer import IGNORE_INDEX
 def _worker(fn: Callable, rank: int, world_size: int, store: str, out_dir: str, args: tuple) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    # full_tensor() of FSDP x TP parameters (test-only gathers) warns about two-step all-gathers
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     result: dict[str, Any] = {}
     try:
         dist.init_process_group(

@@ -19,7 +19,6 @@ projections and shared experts are untouched: they stay replicated or tensor-par
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -41,11 +40,17 @@ def grouped_mm_available(x: Tensor) -> bool:
 def grouped_glu_experts(
     x: Tensor, counts: list[int], w_gate: Tensor, w_in: Tensor, w_out: Tensor, activation: str, b1: float, b2: float
 ) -> Tensor:
-    """Expert e on rows [sum(counts[:e]), sum(counts[:e+1])) of ``x``; one grouped GEMM per matrix.
+    """Expert e on rows [sum(counts[:e]), sum(counts[:e+1])) of ``x``; same math as ``moe.grouped_experts``.
 
-    Same math as ``moe.grouped_experts``; uses ``torch._grouped_mm`` (bf16, CUDA) when it can.
+    One ``torch._grouped_mm`` per matrix on CUDA (bf16); the per-expert loop elsewhere. With no
+    rows at all the (empty) result still depends on the weights and on ``x``, so backward
+    reaches this module on every rank: FSDP's per-module gradient reduction then runs in the
+    same order everywhere, even on an ep rank that received no tokens this step.
     """
-    if not grouped_mm_available(x) or x.shape[0] == 0:
+    if x.shape[0] == 0:
+        h = glu_activation(x @ w_gate[0].t(), x @ w_in[0].t(), activation, b1, b2)
+        return h @ w_out[0].t()
+    if not grouped_mm_available(x):
         return grouped_experts(x, counts, w_gate, w_in, w_out, activation, b1, b2)
     offsets = torch.tensor(counts, device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     a = torch._grouped_mm(x, w_gate.transpose(-2, -1), offs=offsets)
@@ -55,7 +60,7 @@ def grouped_glu_experts(
 
 
 class GroupedExperts(RoutedExperts):
-    """RoutedExperts whose local compute is a grouped GEMM on CUDA (same parameters, same math)."""
+    """RoutedExperts computed by ``grouped_glu_experts`` (same parameters, names and math)."""
 
     def forward(self, x_sorted: Tensor, tokens_per_expert: list[int]) -> Tensor:
         return grouped_glu_experts(
@@ -63,7 +68,7 @@ class GroupedExperts(RoutedExperts):
         )
 
 
-def use_grouped_gemm(experts: RoutedExperts) -> None:
+def use_grouped_experts(experts: RoutedExperts) -> None:
     """Switch the module's class in place: parameters, names and state dict stay the same."""
     if type(experts) is RoutedExperts:
         experts.__class__ = GroupedExperts
@@ -101,13 +106,10 @@ def apply_expert_parallel(model: torch.nn.Module, ep_mesh: DeviceMesh) -> None:
     group = ep_mesh.get_group()
     for moe in _moe_layers(model):
         distribute_parameters(moe.experts, ep_mesh, lambda name: Shard(0))
+        use_grouped_experts(moe.experts)
         moe.routed = functools.partial(expert_parallel_routed, moe, group)
 
 
 def _moe_layers(model: torch.nn.Module) -> list[LatentMoE]:
     return [m for m in model.modules() if isinstance(m, LatentMoE)]
 
-
-def ep_group_of(moe: LatentMoE) -> Optional[dist.ProcessGroup]:
-    routed = moe.__dict__.get("routed")
-    return routed.args[1] if isinstance(routed, functools.partial) else None
