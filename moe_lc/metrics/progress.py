@@ -27,8 +27,8 @@ def format_rate(tokens_per_s: float) -> str:
 class Progress:
     """`update` after each step; `message` for anything else (it keeps the live line intact).
 
-    mode: "bar" (live line), "lines" (a line every `every` steps), "none", or "auto" (bar on a
-    terminal, lines otherwise).
+    mode: "bar" (live line), "lines" (a line every `every` steps), "none" (no step updates), or
+    "auto" (bar on a terminal, lines otherwise).
     """
 
     def __init__(self, total_steps: int, mode: str = "auto", every: int = 1, stream: Optional[TextIO] = None):
@@ -61,8 +61,7 @@ class Progress:
             self.stream.flush()
 
     def message(self, text: str) -> None:
-        if self.mode == "none":
-            return
+        """A line of its own (printed in every mode; "none" only silences the per-step updates)."""
         if self._live:
             self.stream.write("\r" + " " * self._live + "\r")
             self._live = 0

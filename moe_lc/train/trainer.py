@@ -119,7 +119,7 @@ class Trainer:
         )
         if rt.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.progress = Progress(self.total, cfg.logging.progress if rt.is_main else "none", cfg.logging.every, self.stream)
+        self.progress = Progress(self.total, cfg.logging.progress, cfg.logging.every, self.stream)
 
         resume_path, init_path = self._checkpoint_to_start_from()
         position = RunPosition()

@@ -1,0 +1,73 @@
+"""A checkpoint saved under one parallel layout resumes under another: two data-parallel ranks
+(torchrun, gloo, FSDP2 from moe_lc.parallel) train and checkpoint; one process resumes. Both
+follow the single-process run: the same global batches, only summation orders differ."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("moe_lc.parallel")
+
+from moe_lc.train.main import run_train_cli  # noqa: E402
+
+FAST = [
+    "curriculum.run=[ctx256,ctx1k]",
+    "curriculum.stages.ctx256.steps=3",
+    "curriculum.stages.ctx256.global_batch_tokens=1024",
+    "curriculum.stages.ctx256.micro_batch=1",
+    "curriculum.stages.ctx1k.steps=2",
+    "curriculum.stages.ctx1k.global_batch_tokens=2048",
+    "curriculum.stages.ctx1k.micro_batch=1",
+    "curriculum.stages.ctx16k.global_batch_tokens=32768",  # every stage must split over 2 ranks
+    "eval.sequences=0",
+    "eval.passkey_documents=0",
+    "checkpoint.every=2",
+    "checkpoint.keep_last=10",
+    "logging.progress=none",
+    "logging.tensorboard=false",
+    "report.at_end=false",
+    "threads=1",
+]
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.getbasetemp() / "moe_lc_cache")
+
+
+def test_two_data_parallel_ranks_then_one_process(tmp_path, cache, monkeypatch):
+    monkeypatch.setenv("MOE_LC_CACHE", cache)
+    single = tmp_path / "single"
+    assert run_train_cli([*FAST, f"run_dir={single}"]) == 0
+    ref = _losses(single)
+
+    dp2 = tmp_path / "dp2"
+    env = {**os.environ, "MOE_LC_CACHE": cache, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "moe_lc.train", *FAST, "layout=dp2", f"run_dir={dp2}"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "device cpu x 2" in proc.stdout
+    two = _losses(dp2)
+    assert sorted(two) == sorted(ref) == [1, 2, 3, 4, 5]
+    for step in ref:
+        assert two[step] == pytest.approx(ref[step], rel=1e-5)
+
+    resumed = tmp_path / "resumed"
+    assert run_train_cli([*FAST, f"run_dir={resumed}", f"resume={dp2 / 'checkpoints' / 'step_00000002'}"]) == 0
+    got = _losses(resumed)
+    assert sorted(got) == [3, 4, 5]
+    for step in got:  # across the ctx256 -> ctx1k boundary, on one process
+        assert got[step] == pytest.approx(ref[step], rel=1e-5)
