@@ -1,8 +1,8 @@
 """Checkpoints are layout-independent: dp_shard=2 x tp=2 <-> one process (SPEC 3).
 
 One process trains a step and saves; four ranks (FSDP2 over dp_shard, TP over tp) resume it
-and must produce the single-process next-step loss. Four ranks train a step and save; one
-process resumes it and must produce the four-rank next-step loss. Model, AdamW state and QB
+and must produce the single-process next-step loss. The four ranks then save after their step
+and train one more; one process resumes their checkpoint and must produce that loss. Model, AdamW state and QB
 biases all travel through the checkpoint (the next step's routing uses the saved biases).
 """
 
@@ -29,27 +29,19 @@ def fresh_model():
     return pack_balancer_state(build_model(get_preset("tiny"), "cpu", seed=0))
 
 
-def parallel_side(single_ckpt: str, parallel_root: str) -> dict:
-    """Resume the single-process checkpoint; separately, train + save + continue on this layout."""
+def parallel_side(single_root: str, parallel_root: str) -> dict:
+    """Resume the one-process checkpoint (step 1), train step 2, save it, train step 3."""
     from moe_lc.parallel import ParallelLayout, build_mesh, build_optimizer, data_parallel_info, parallelize
 
     layout = ParallelLayout(**LAYOUT)
     mesh = build_mesh(layout)
     dp_rank, dp_size = data_parallel_info(mesh)
-
-    def parallel_model():
-        model = parallelize(fresh_model(), layout, mesh)
-        return model, build_optimizer(model, torch.optim.AdamW, lr=LR, eps=EPS)
-
-    model, optimizer = parallel_model()
-    manager = CheckpointManager(single_ckpt)
-    trainer_state, _ = manager.load(None, model, optimizer)
+    model = parallelize(fresh_model(), layout, mesh)
+    optimizer = build_optimizer(model, torch.optim.AdamW, lr=LR, eps=EPS)
+    trainer_state, _ = CheckpointManager(single_root).load(None, model, optimizer)
     resumed = train_step(model, optimizer, rank_micro_batches(samples(1), dp_rank, dp_size, 1), mesh)
-
-    model, optimizer = parallel_model()
-    train_step(model, optimizer, rank_micro_batches(samples(0), dp_rank, dp_size, 1), mesh)
-    CheckpointManager(parallel_root).save(1, {"model": model, "optim": optimizer, "trainer": {"step": 1}})
-    continued = train_step(model, optimizer, rank_micro_batches(samples(1), dp_rank, dp_size, 1), mesh)
+    CheckpointManager(parallel_root).save(2, {"model": model, "optim": optimizer, "trainer": {"step": 2}})
+    continued = train_step(model, optimizer, rank_micro_batches(samples(2), dp_rank, dp_size, 1), mesh)
     return dict(resumed=resumed, continued=continued, trainer=trainer_state)
 
 
@@ -63,26 +55,25 @@ def test_checkpoint_moves_between_one_process_and_dp2_tp2(tmp_path):
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     train_step(model, optimizer, [pack(samples(0))])
     CheckpointManager(single_root).save(1, {"model": model, "optim": optimizer, "trainer": {"step": 1}, "rng": None})
-    single_next = train_step(model, optimizer, [pack(samples(1))])
+    single_losses = [train_step(model, optimizer, [pack(samples(s))]) for s in (1, 2)]
 
     ranks = run_distributed(parallel_side, 4, single_root, parallel_root, timeout=80)
 
     model = fresh_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     trainer_state, _ = CheckpointManager(parallel_root).load(None, model, optimizer)
-    from_parallel_next = train_step(model, optimizer, [pack(samples(1))])
+    from_parallel = train_step(model, optimizer, [pack(samples(2))])
 
+    assert trainer_state == {"step": 2}
     for rank, r in enumerate(ranks):
         assert r["trainer"] == {"step": 1}
-        assert abs(r["resumed"] - single_next) / single_next < 1e-5, (
-            f"rank {rank}: one-process checkpoint resumed on {LAYOUT} gives next-step loss {r['resumed']}, "
-            f"one process gives {single_next}"
-        )
-        assert r["continued"] == ranks[0]["continued"]
-    assert trainer_state == {"step": 1}
-    assert abs(from_parallel_next - ranks[0]["continued"]) / ranks[0]["continued"] < 1e-5, (
-        f"{LAYOUT} checkpoint resumed on one process gives next-step loss {from_parallel_next}, "
-        f"the parallel run continued with {ranks[0]['continued']}"
+        assert (r["resumed"], r["continued"]) == (ranks[0]["resumed"], ranks[0]["continued"])
+    resumed, continued = ranks[0]["resumed"], ranks[0]["continued"]
+    assert abs(resumed - single_losses[0]) / single_losses[0] < 1e-5, (
+        f"a one-process checkpoint resumed on {LAYOUT} gives next-step loss {resumed}, one process {single_losses[0]}"
     )
-    # and the two routes agree with each other (same data, same seed)
-    assert abs(from_parallel_next - single_next) / single_next < 1e-5
+    assert abs(from_parallel - continued) / continued < 1e-5, (
+        f"a {LAYOUT} checkpoint resumed on one process gives next-step loss {from_parallel}, "
+        f"the {LAYOUT} run continued with {continued}"
+    )
+    assert abs(from_parallel - single_losses[1]) / single_losses[1] < 1e-5  # all routes agree

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from moe_lc.config import ConfigError
@@ -92,6 +91,3 @@ def _fsdp_mesh(mesh: DeviceMesh, shard_dim: str) -> DeviceMesh:
 def parallel_context(model: MoELCModel) -> Optional[ParallelContext]:
     return getattr(model, "moe_lc_parallel", None)
 
-
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()

@@ -23,8 +23,6 @@ summed over tp (``local_params``): every parameter gradient is exact.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -201,7 +199,3 @@ def apply_tensor_parallel(model: MoELCModel, tp_mesh: DeviceMesh) -> MoELCModel:
     model.register_forward_hook(_full_logits(model.cfg.vocab_size, group))
     return model
 
-
-def tp_group_of(model: nn.Module) -> Optional[dist.ProcessGroup]:
-    head = getattr(model, "lm_head", None)
-    return head.group if isinstance(head, VocabParallelLMHead) else None
