@@ -383,6 +383,11 @@ def chunk_kda_fused(
                 segment_chunks, lens)
 
 
+# Largest head dim whose backward kernel was seen to fit in shared memory on an H200 (d=128 needs
+# 330-425 KB against 227 KB in the current _bwd_intra_kernel; see kernels/NOTES.md).
+MAX_TRAINING_HEAD_DIM = 64
+
+
 def kernel_head_dim_ok(dim: int) -> bool:
     """Head dims the kernels take: powers of two in [16, 256]."""
     return 16 <= dim <= 256 and dim & (dim - 1) == 0
