@@ -161,13 +161,21 @@ def test_data_and_expert_parallel_two_ranks():
             Job("tiny", dict(dp_replicate=2)),
             Job("tiny", dict(dp_shard=2, ep=2)),
             Job("tiny", dict(dp_shard=2, dp_mode="zero1")),
+            Job("tiny", dict(dp_shard=2, ep=2, dp_mode="zero1")),
         ],
     )
 
 
 @pytest.mark.timeout(90)
 def test_tensor_parallel_four_ranks():
-    check_jobs(4, [Job("wide", dict(tp=4), dtype=F64), Job("tiny", dict(dp_shard=2, tp=2))])
+    check_jobs(
+        4,
+        [
+            Job("wide", dict(tp=4), dtype=F64),
+            Job("tiny", dict(dp_shard=2, tp=2)),
+            Job("tiny", dict(dp_shard=2, tp=2, dp_mode="zero1")),
+        ],
+    )
 
 
 @pytest.mark.timeout(90)
