@@ -307,6 +307,20 @@ def _state_bwd_kernel(qg, w, kend, aqk, gc, do, dh, ddelta, seg_init, seg_start_
     tl.store(seg_start_grad + ((seg.to(tl.int64) * H + h) * K + rk[:, None]) * V + col[None, :], dS)
 
 
+@triton.jit
+def _score_grads_tile(dA, dAqk, bv, kv, qs, kn, f, pk, pq, dkn, db, rows, b: tl.constexpr, PREC: tl.constexpr):
+    """Backward of one key tile b of R and Aqk (see _bwd_intra_kernel)."""
+    kn_b = _in_tile(kn, rows, b)
+    u = tl.dot(dA, kn_b, input_precision=PREC)
+    db += tl.sum(kv * f * u, axis=1)
+    pk += u * f * bv[:, None]
+    pq += tl.dot(dAqk, kn_b, input_precision=PREC) * f
+    kf = kv * f * bv[:, None]  # dR^T (K F_b) = dA^T (Diag(b) K F_b)
+    dkn += _in_tile(tl.dot(tl.trans(dA), kf, input_precision=PREC)
+                    + tl.dot(tl.trans(dAqk), qs * f, input_precision=PREC), rows, b)
+    return pk, pq, dkn, db
+
+
 # ----------------------------------------------------------------------------- backward, parallel part
 @triton.jit
 def _bwd_intra_kernel(q, k, v, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
@@ -326,10 +340,8 @@ def _bwd_intra_kernel(q, k, v, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
     valid = (bos + rows) < eos
     m2 = valid[:, None]
     ck = tl.arange(0, K)
-    cv = tl.arange(0, V)
     cb = tl.arange(0, BT)
     offk = ((bos + rows)[:, None] * H + h) * K + ck[None, :]
-    offv = ((bos + rows)[:, None] * H + h) * V + cv[None, :]
 
     qv, kv, rq, rk, g, s, sig, bv = _load_chunk(q, k, gz, beta, A_log, dt_bias, bos, eos, h, H, lower_bound,
                                                 K, BT, GATE_IN_KERNEL, HAS_DT_BIAS, L2NORM, BETA_SIGMOID)
@@ -377,36 +389,23 @@ def _bwd_intra_kernel(q, k, v, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
     dX = dT * bv[None, :]
     dA = -tl.dot(tl.dot(tl.trans(X), dX, input_precision=PREC), tl.trans(X), input_precision=PREC)
     dA = tl.where(rows[:, None] > cb[None, :], dA, 0.0)
-    R, Aqk = _scores(qs, kv, G, rows, BT, DOT_PREC)
-    db += tl.sum(dA * R, axis=1)
-    dR = dA * bv[:, None]
 
     # R = sum_b (K F_b)(K E in tile b)^T, Aqk = sum_b (Q F_b)(K E in tile b)^T; rho_b cancels.
+    # One key tile at a time, so only one tile's operands are live; d b_i from A = Diag(b) R is
+    # sum_j dA_ij R_ij = sum_b rowsum((K F_b) * (dA (K E)_b)), with no need to rebuild R.
     r1, r2, r3, rho_row = _tile_start(G, rows, BT)
     E = tl.exp(rho_row - G)
     kn = kv * E
-    f0 = eG
-    f1 = _from_tile(G, r1, rows, 16)
-    f2 = _from_tile(G, r2, rows, 32)
-    f3 = _from_tile(G, r3, rows, 48)
-    kn0 = _in_tile(kn, rows, 0)
-    kn1 = _in_tile(kn, rows, 1)
-    kn2 = _in_tile(kn, rows, 2)
-    kn3 = _in_tile(kn, rows, 3)
-    pk = tl.dot(dR, kn0, input_precision=PREC) * f0
-    pk += tl.dot(dR, kn1, input_precision=PREC) * f1
-    pk += tl.dot(dR, kn2, input_precision=PREC) * f2
-    pk += tl.dot(dR, kn3, input_precision=PREC) * f3
-    pq = tl.dot(dAqk, kn0, input_precision=PREC) * f0
-    pq += tl.dot(dAqk, kn1, input_precision=PREC) * f1
-    pq += tl.dot(dAqk, kn2, input_precision=PREC) * f2
-    pq += tl.dot(dAqk, kn3, input_precision=PREC) * f3
-    dRt = tl.trans(dR)
-    dAqkt = tl.trans(dAqk)
-    dkn = _in_tile(tl.dot(dRt, kv * f0, input_precision=PREC) + tl.dot(dAqkt, qs * f0, input_precision=PREC), rows, 0)
-    dkn += _in_tile(tl.dot(dRt, kv * f1, input_precision=PREC) + tl.dot(dAqkt, qs * f1, input_precision=PREC), rows, 1)
-    dkn += _in_tile(tl.dot(dRt, kv * f2, input_precision=PREC) + tl.dot(dAqkt, qs * f2, input_precision=PREC), rows, 2)
-    dkn += _in_tile(tl.dot(dRt, kv * f3, input_precision=PREC) + tl.dot(dAqkt, qs * f3, input_precision=PREC), rows, 3)
+    pk = tl.zeros([BT, K], dtype=tl.float32)
+    pq = tl.zeros([BT, K], dtype=tl.float32)
+    dkn = tl.zeros([BT, K], dtype=tl.float32)
+    pk, pq, dkn, db = _score_grads_tile(dA, dAqk, bv, kv, qs, kn, eG, pk, pq, dkn, db, rows, 0, PREC)
+    pk, pq, dkn, db = _score_grads_tile(dA, dAqk, bv, kv, qs, kn, _from_tile(G, r1, rows, 16), pk, pq, dkn, db,
+                                        rows, 1, PREC)
+    pk, pq, dkn, db = _score_grads_tile(dA, dAqk, bv, kv, qs, kn, _from_tile(G, r2, rows, 32), pk, pq, dkn, db,
+                                        rows, 2, PREC)
+    pk, pq, dkn, db = _score_grads_tile(dA, dAqk, bv, kv, qs, kn, _from_tile(G, r3, rows, 48), pk, pq, dkn, db,
+                                        rows, 3, PREC)
 
     kend_f = tl.exp(GC[None, :] - G)
     dkk = pk + dkn * E + dkg * eG + dkend * kend_f

@@ -152,7 +152,7 @@ def fla_errors(fla):
     return run
 
 
-def fuzz(device, trials, seed=1, fla_check=None):
+def fuzz(device, trials, seed=1, fla_check=None, fla_trials=2):
     """Random shapes, lengths, documents, states and segmentations against the float64 reference."""
     rng = random.Random(seed)
     worst = 0.0
@@ -177,7 +177,7 @@ def fuzz(device, trials, seed=1, fla_check=None):
         rows.append(dict(lens=lens, heads=heads, dim=dim, h0=h0 is not None, seg=seg, max_rel=bad))
         print(f"fuzz {t}: lens={lens} H={heads} d={dim} h0={h0 is not None} seg={seg} max rel {bad:.2e} "
               f"({', '.join(f'{k} {v:.1e}' for k, v in errs.items())})", flush=True)
-        if fla_check is not None and t < 4:
+        if fla_check is not None and t < fla_trials:
             fla_errs = fla_check(x, cu, h0)
             rows[-1]["fla"] = fla_errs
             print(f"  fla on the same inputs: max rel {max(fla_errs.values()):.2e} "
@@ -282,6 +282,7 @@ def main(argv=None):
     parser.add_argument("--variants", default="", help="';'-separated TUNING overrides to time, e.g. "
                         "'inverse=loop;prep_warps=4'")
     parser.add_argument("--seg-shapes", default="B1_T64K")
+    parser.add_argument("--fla-fuzz", type=int, default=2, help="fuzz cases also checked with fla (autotunes!)")
     parser.add_argument("--fuzz-variant", default="", help="TUNING override for a second, shorter fuzz")
     parser.add_argument("--variant-shapes", default="B8_T4K,B1_T64K")
     parser.add_argument("--check-shapes", default="B8_T4K,B2_T16K,B1_T64K,B1_T256K,B2_T8K_H64,varlen_64K")
@@ -304,7 +305,8 @@ def main(argv=None):
     if not args.no_check:
         t0 = time.time()
         fla = fla_fn()
-        worst, rows = fuzz(device, args.fuzz, fla_check=fla_errors(fla) if fla is not None else None)
+        worst, rows = fuzz(device, args.fuzz, fla_check=fla_errors(fla) if fla is not None else None,
+                           fla_trials=args.fla_fuzz)
         if args.fuzz_variant:
             from moe_lc_kernels import kda as kda_mod
 
