@@ -43,10 +43,17 @@ def _worker(fn: Callable, rank: int, world_size: int, store: str, out_dir: str, 
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        path = os.path.join(out_dir, f"rank{rank}.pt")
+        torch.save(result, path + ".part")
+        os.replace(path + ".part", path)  # the parent never reads a half-written result
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 50.0) -> list[Any]:
+def _load_result(out_dir: str, rank: int) -> Optional[dict]:
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    return torch.load(path, weights_only=False) if os.path.exists(path) else None
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 100.0) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` gloo ranks; returns the per-rank return values."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="moe_lc_dist_") as tmp:
@@ -58,25 +65,33 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
+        results: dict[int, dict] = {}
+        failed = None
+        while len(results) < world_size and time.monotonic() < deadline:
+            for r in range(world_size):
+                if r not in results and (res := _load_result(tmp, r)) is not None:
+                    results[r] = res
+                    if "error" in res and failed is None:
+                        failed = r  # the other ranks would only wait for it in a collective
+            if failed is not None or any(p.exitcode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.05)
         for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
+            if p.is_alive():
+                p.join(1 if failed is None and len(results) == world_size else 0)
             if p.is_alive():
                 p.kill()
                 p.join(5)
-        if hung:
-            raise TimeoutError(f"ranks {hung} of {world_size} did not finish within {timeout:.0f}s (killed)")
-        results = []
-        for r in range(world_size):
-            path = os.path.join(tmp, f"rank{r}.pt")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {r} exited with code {procs[r].exitcode} without reporting a result")
-            res = torch.load(path, weights_only=False)
-            if "error" in res:
-                raise RuntimeError(f"rank {r} failed:\n{res['error']}")
-            results.append(res["value"])
-        return results
+        if failed is not None:
+            raise RuntimeError(f"rank {failed} failed:\n{results[failed]['error']}")
+        missing = [r for r in range(world_size) if r not in results]
+        if missing:
+            codes = [procs[r].exitcode for r in missing]
+            raise TimeoutError(
+                f"ranks {missing} of {world_size} reported no result (exit codes {codes}, None = still running "
+                f"after {timeout:.0f}s); all workers were stopped"
+            )
+        return [results[r]["value"] for r in range(world_size)]
 
 
 # ----------------------------------------------------------------------------- data

@@ -45,9 +45,10 @@ def parallel_side(single_root: str, parallel_root: str) -> dict:
     return dict(resumed=resumed, continued=continued, trainer=trainer_state)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(150)
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.filterwarnings("ignore:checkpoint .* was written by 4 ranks")
+@pytest.mark.filterwarnings("ignore:checkpoint .* was written by 1 ranks")
 def test_checkpoint_moves_between_one_process_and_dp2_tp2(tmp_path):
     single_root, parallel_root = str(tmp_path / "single"), str(tmp_path / "parallel")
 
@@ -57,7 +58,7 @@ def test_checkpoint_moves_between_one_process_and_dp2_tp2(tmp_path):
     CheckpointManager(single_root).save(1, {"model": model, "optim": optimizer, "trainer": {"step": 1}, "rng": None})
     single_losses = [train_step(model, optimizer, [pack(samples(s))]) for s in (1, 2)]
 
-    ranks = run_distributed(parallel_side, 4, single_root, parallel_root, timeout=80)
+    ranks = run_distributed(parallel_side, 4, single_root, parallel_root, timeout=100)
 
     model = fresh_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)

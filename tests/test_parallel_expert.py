@@ -63,7 +63,7 @@ def expert_parallel_side() -> dict:
     return dict(joined=True, y=y.detach(), x_grad=mine.grad, grads=grads, expert_grad_abs=received)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_dispatch_with_an_idle_expert_rank():
     moe, x = build()
     x = x.requires_grad_(True)
@@ -71,7 +71,7 @@ def test_dispatch_with_an_idle_expert_rank():
     (y * torch.linspace(-1, 1, D)).sum().backward()
     ref = grads_of(moe)
 
-    ranks = run_distributed(expert_parallel_side, 2, timeout=45)
+    ranks = run_distributed(expert_parallel_side, 2, timeout=80)
     assert [r["joined"] for r in ranks] == [True, True], "an idle rank's experts must still run backward"
     y_par = torch.cat([r["y"] for r in ranks], dim=1)
     x_grad = torch.cat([r["x_grad"] for r in ranks], dim=1)
