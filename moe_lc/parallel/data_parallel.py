@@ -1,7 +1,7 @@
 """Data parallelism: FSDP2/HSDP or ZeRO-1, gradient synchronisation and clipping.
 
 Convention: gradients are SUMMED over data-parallel ranks (never averaged). Each rank scales
-its summed token loss by ``1 / global_label_tokens`` (``mesh.global_label_tokens``), so the
+its summed token loss by ``1 / global_label_tokens`` (``moe_lc.parallel.global_label_tokens``), so the
 gradient is that of the global-batch mean loss for any split of the batch over ranks and
 micro-batches.
 
@@ -11,7 +11,8 @@ are reduced over ``dp_replicate x edp``: every rank that holds a copy of the sam
 (edp folds dp_shard, cp and tp ranks that are not in the expert's ep group).
 
 fsdp: ``fully_shard`` on every token mixer and channel mixer (the routed experts as their own
-unit on the expert mesh) and on the root, with a (dp_replicate, shard) HSDP mesh; bf16 compute
+unit on the expert mesh) and on the root, sharded over dp_shard (edp for experts) and, when
+dp_replicate > 1, replicated across it (HSDP); bf16 compute
 with fp32 master weights and fp32 gradient reduction on CUDA (MixedPrecisionPolicy).
 zero1: parameters and gradients replicated; ``finish_gradient_sync`` all-reduces the gradients
 (flat buffers) and ``build_optimizer`` gives each data-parallel rank the optimizer state of a
@@ -20,11 +21,10 @@ balanced share of the parameters, broadcasting the updated values after each ste
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
-
-import warnings
 
 import torch
 import torch.distributed as dist
