@@ -64,9 +64,10 @@ def test_smoke_writes_checkpoints_evals_tensorboard_and_report(smoke_run):
     assert "ctx16k" in (run_dir / "report" / "summary.md").read_text()
 
 
-def test_rerun_with_resume_auto_has_nothing_left_to_do(smoke_run, tmp_path_factory):
+def test_rerun_with_resume_auto_has_nothing_left_to_do(smoke_run, tmp_path_factory, monkeypatch, capsys):
+    from moe_lc.train.main import run_train_cli
+
     run_dir, _ = smoke_run
-    env = {**os.environ, "MOE_LC_CACHE": str(tmp_path_factory.getbasetemp() / "moe_lc_cache")}
-    proc = subprocess.run([sys.executable, "-m", "moe_lc.cli", "train", *SHORTER, f"run_dir={run_dir}"],
-                          env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "nothing to train" in proc.stdout
+    monkeypatch.setenv("MOE_LC_CACHE", str(tmp_path_factory.getbasetemp() / "moe_lc_cache"))
+    assert run_train_cli([*SHORTER, f"run_dir={run_dir}", "report.at_end=false"]) == 0
+    assert "nothing to train" in capsys.readouterr().out

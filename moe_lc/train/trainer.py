@@ -140,7 +140,8 @@ class Trainer:
         if first is None:
             self.say(f"nothing to train: the run in {self.run_dir} is at step {position.step} of {self.total} "
                      f"(stages run: {', '.join(p.name for p in plans if p.run)})")
-            self._render_report()
+            if cfg.report.at_end:
+                self._render_report()
             return RunSummary(str(self.run_dir), position.step, 0, 0, time.perf_counter() - wall_start, 0.0, None)
 
         sinks = self._open_sinks(position.step if resume_path is not None else 0, fresh=resume_path is None)
