@@ -36,7 +36,7 @@ def _listing() -> str:
 
 
 def run_train_cli(argv: Optional[Sequence[str]] = None) -> int:
-    """Exit code: 0 done, 2 bad configuration or input (message on stderr)."""
+    """Exit code: 0 done (or stopped by SIGTERM after a checkpoint), 1 diverged, 2 bad configuration or input."""
     from omegaconf import OmegaConf
 
     from moe_lc.train.recipes import compose_recipe, recipes_dir, split_recipe_args
@@ -75,6 +75,9 @@ def run_train_cli(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except FloatingPointError as err:  # a diverged run: its checkpoints are intact, the message says what to try
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     except Exception as err:  # checkpoint and data errors carry their own fix; show them without a traceback
         from moe_lc.checkpoint import CheckpointError
 

@@ -200,7 +200,8 @@ class Trainer:
                         raise FloatingPointError(
                             f"loss is {result.loss} at step {position.step}; lower optim.lr or check the data"
                         )
-                    if cfg.checkpoint.every and position.step % cfg.checkpoint.every == 0:
+                    at_stage_end = position.step == plan.end_step and cfg.checkpoint.at_stage_end
+                    if cfg.checkpoint.every and position.step % cfg.checkpoint.every == 0 and not at_stage_end:
                         summary.checkpoints.append(str(self._save(state, plan, position)))
                         last_saved = position.step
                 stage_done = position.step >= plan.end_step
@@ -214,8 +215,8 @@ class Trainer:
             if state is not None and last_saved != position.step:
                 current = stage_at(plans, max(position.step - 1, 0))
                 summary.checkpoints.append(str(self._save(state, current, position)))
-            self.ckpt.close()
         finally:
+            self.ckpt.close()  # an async save in flight is finished (or its error raised) before we leave
             self.progress.close()
             if sinks is not None:
                 sinks.close()
