@@ -1,6 +1,6 @@
-"""Checkpoints are layout-independent: dp_shard=2 x tp=2 <-> one process (SPEC 3).
+"""Checkpoints are layout-independent: dp_shard=2 x tp=2 (and ZeRO-1) <-> one process (SPEC 3).
 
-One process trains a step and saves; four ranks (FSDP2 over dp_shard, TP over tp) resume it
+One process trains a step and saves; the ranks of a layout (e.g. FSDP2 over dp_shard, TP over tp) resume it
 and must produce the single-process next-step loss. The four ranks then save after their step
 and train one more; one process resumes their checkpoint and must produce that loss. Model, AdamW state and QB
 biases all travel through the checkpoint (the next step's routing uses the saved biases).
@@ -17,7 +17,7 @@ from moe_lc.presets import get_preset
 from moe_lc.train.balancer_state import pack_balancer_state
 from parallel_harness import make_samples, pack, rank_micro_batches, run_distributed, train_step
 
-LAYOUT = dict(dp_shard=2, tp=2)
+LAYOUTS = [dict(dp_shard=2, tp=2), dict(dp_shard=2, dp_mode="zero1")]
 LR, EPS = 1e-3, 1e-4
 
 
@@ -29,11 +29,11 @@ def fresh_model():
     return pack_balancer_state(build_model(get_preset("tiny"), "cpu", seed=0))
 
 
-def parallel_side(single_root: str, parallel_root: str) -> dict:
+def parallel_side(layout_kwargs: dict, single_root: str, parallel_root: str) -> dict:
     """Resume the one-process checkpoint (step 1), train step 2, save it, train step 3."""
     from moe_lc.parallel import ParallelLayout, build_mesh, build_optimizer, data_parallel_info, parallelize
 
-    layout = ParallelLayout(**LAYOUT)
+    layout = ParallelLayout(**layout_kwargs)
     mesh = build_mesh(layout)
     dp_rank, dp_size = data_parallel_info(mesh)
     model = parallelize(fresh_model(), layout, mesh)
@@ -48,8 +48,10 @@ def parallel_side(single_root: str, parallel_root: str) -> dict:
 @pytest.mark.timeout(150)
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.filterwarnings("ignore:checkpoint .* was written by 4 ranks")
+@pytest.mark.filterwarnings("ignore:checkpoint .* was written by 2 ranks")
 @pytest.mark.filterwarnings("ignore:checkpoint .* was written by 1 ranks")
-def test_checkpoint_moves_between_one_process_and_dp2_tp2(tmp_path):
+@pytest.mark.parametrize("LAYOUT", LAYOUTS, ids=["dp2xtp2", "zero1_dp2"])
+def test_checkpoint_moves_between_one_process_and_a_layout(tmp_path, LAYOUT):
     single_root, parallel_root = str(tmp_path / "single"), str(tmp_path / "parallel")
 
     model = fresh_model()
@@ -58,7 +60,8 @@ def test_checkpoint_moves_between_one_process_and_dp2_tp2(tmp_path):
     CheckpointManager(single_root).save(1, {"model": model, "optim": optimizer, "trainer": {"step": 1}, "rng": None})
     single_losses = [train_step(model, optimizer, [pack(samples(s))]) for s in (1, 2)]
 
-    ranks = run_distributed(parallel_side, 4, single_root, parallel_root, timeout=100)
+    world = LAYOUT.get("dp_shard", 1) * LAYOUT.get("tp", 1)
+    ranks = run_distributed(parallel_side, world, LAYOUT, single_root, parallel_root, timeout=100)
 
     model = fresh_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)

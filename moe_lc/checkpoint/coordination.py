@@ -80,3 +80,32 @@ class Coordinator:
         if kind == "err":
             raise value
         return value
+
+    def union(self, items: set[str]) -> set[str]:
+        """The union of every rank's `items` (the identity in a single process)."""
+        if not is_distributed():
+            return set(items)
+        gathered: list[Any] = [None] * world_size()
+        dist.all_gather_object(gathered, sorted(items), group=self._cpu_group())
+        return set().union(*map(set, gathered))
+
+    def every_rank_runs(self, work: Callable[[], T]) -> T:
+        """Run `work` on every rank; if it fails on any rank, raise the first failure on all of them.
+
+        For checks whose outcome may differ per rank (each rank holds its own shard of the
+        state): a rank that raised alone would leave the others waiting in the next collective.
+        """
+        if not is_distributed():
+            return work()
+        try:
+            outcome: tuple[str, Any] = ("ok", work())
+        except Exception as err:  # noqa: BLE001 - shared with every rank below
+            outcome = ("err", _picklable(err))
+        gathered: list[Any] = [None] * world_size()
+        dist.all_gather_object(gathered, outcome[0] == "err" and outcome[1] or None, group=self._cpu_group())
+        failures = [err for err in gathered if err is not None]
+        if outcome[0] == "err":
+            raise outcome[1]
+        if failures:
+            raise failures[0]
+        return outcome[1]

@@ -237,7 +237,12 @@ class CheckpointManager:
         ckpt = self._coordinator.rank0_decides(lambda: self.resolve(path))
         metadata = _read_dcp_metadata(ckpt)
         state = _state_dicts(module, optimizers)
-        to_read = _select_against_checkpoint(state, metadata, ckpt)
+        # A sharded optimizer (ZeRO-1) holds only this rank's share of the state: a key is
+        # unexpected only if no rank wants it.
+        wanted_anywhere = self._coordinator.union(_flat_keys(state))
+        to_read = self._coordinator.every_rank_runs(
+            lambda: _select_against_checkpoint(state, metadata, ckpt, wanted_anywhere)
+        )
         dcp.load(to_read, storage_reader=dcp.FileSystemReader(ckpt), **_dist_kwargs())
         if optimizers:
             state["optim"].update(to_read["optim"])  # hyperparameters read as new objects
@@ -432,10 +437,17 @@ def _named(keys: Iterable[str]) -> str:
     return shown + (f" (+{len(keys) - _MAX_NAMED} more)" if len(keys) > _MAX_NAMED else "")
 
 
-def _select_against_checkpoint(state: dict[str, dict[str, Any]], metadata: Metadata, ckpt: Path) -> dict[str, Any]:
+def _flat_keys(state: dict[str, dict[str, Any]]) -> set[str]:
+    return {f"{section}.{key}" for section, values in state.items() for key in values}
+
+
+def _select_against_checkpoint(
+    state: dict[str, dict[str, Any]], metadata: Metadata, ckpt: Path, wanted_anywhere: set[str]
+) -> dict[str, Any]:
     """What to read from `ckpt` into `state`; CheckpointMismatchError if it does not fit.
 
-    Model and optimizer-state keys must match exactly (names and global shapes).
+    Model and optimizer-state keys must match exactly (names and global shapes); a key of
+    the checkpoint is unexpected only if no rank wants it (`wanted_anywhere`).
     Optimizer hyperparameters missing from the checkpoint (e.g. a field added by a newer
     torch) keep their current values, so they are simply not read.
     """
@@ -449,10 +461,8 @@ def _select_against_checkpoint(state: dict[str, dict[str, Any]], metadata: Metad
     selected: dict[str, dict[str, Any]] = {}
     for section, values in state.items():
         selected[section] = {}
-        wanted = set()
         for key, value in values.items():
             flat = f"{section}.{key}"
-            wanted.add(flat)
             if flat not in saved:
                 if not flat.startswith(_PARAM_GROUPS):
                     missing.append(flat)
@@ -468,7 +478,9 @@ def _select_against_checkpoint(state: dict[str, dict[str, Any]], metadata: Metad
             selected[section][key] = value
         prefix = section + "."
         unexpected += [
-            key for key in saved if key.startswith(prefix) and key not in wanted and not key.startswith(_PARAM_GROUPS)
+            key
+            for key in saved
+            if key.startswith(prefix) and key not in wanted_anywhere and not key.startswith(_PARAM_GROUPS)
         ]
     if missing or unexpected or misshapen:
         parts = []
