@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from moe_lc.config import ModelConfig
@@ -106,6 +107,7 @@ class MoELCModel(nn.Module):
         self.lm_head = nn.Linear(d, cfg.padded_vocab_size, bias=False)
         self.mtp = MultiTokenPrediction(cfg) if cfg.mtp else None
         self.mtp_weight = 0.1
+        self.loss_chunk_elements = 1 << 28  # logits elements per loss chunk when logits are not returned
 
     def moe_layers(self) -> list[LatentMoE]:
         mods = [layer.ffn for layer in self.layers if layer.is_moe]
@@ -119,6 +121,29 @@ class MoELCModel(nn.Module):
     def lm_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Token cross-entropy of the LM head; vocab-parallel TP swaps in its own (moe_lc.parallel)."""
         return language_model_loss(logits, labels)
+
+    def chunked_lm_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The LM loss without holding [tokens, vocab] logits at once (long-context training).
+
+        Tokens are cut into chunks whose logits stay under ~`loss_chunk_elements`; each chunk's
+        logits are recomputed in backward (activation checkpointing), so the peak is one chunk.
+        Equal to `lm_loss(logits_from_hidden(h), labels)` up to summation order.
+        """
+        tokens = h.shape[0] * h.shape[1]
+        per_chunk = max(1, self.loss_chunk_elements // self.cfg.padded_vocab_size)
+        if tokens <= per_chunk:
+            return self.lm_loss(self.logits_from_hidden(h), labels)
+        h_flat, y_flat = h.reshape(1, tokens, -1), labels.reshape(1, tokens)
+        valid = (y_flat != IGNORE_INDEX).sum()
+        total = h.new_zeros((), dtype=torch.float32)
+        for start in range(0, tokens, per_chunk):
+            h_c, y_c = h_flat[:, start : start + per_chunk], y_flat[:, start : start + per_chunk]
+            n_c = (y_c != IGNORE_INDEX).sum()
+            chunk_loss = torch.utils.checkpoint.checkpoint(
+                lambda hc, yc: self.lm_loss(self.logits_from_hidden(hc), yc), h_c, y_c, use_reentrant=False
+            )
+            total = total + torch.where(n_c > 0, chunk_loss * n_c, torch.zeros_like(chunk_loss))
+        return total / valid.clamp_min(1)
 
     def hidden_states(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Final normalised hidden states [B, T, d]."""
@@ -138,10 +163,10 @@ class MoELCModel(nn.Module):
         """input_ids/labels: [B, T] (labels already shifted: labels[t] is the target after input t)."""
         use_mtp = self.mtp is not None and labels is not None
         h = self.hidden_states(input_ids, cu_seqlens)
-        logits = self.logits_from_hidden(h)
         if labels is None:
-            return ModelOutput(loss=None, lm_loss=None, logits=logits)
-        lm_loss = self.lm_loss(logits, labels)
+            return ModelOutput(loss=None, lm_loss=None, logits=self.logits_from_hidden(h))
+        logits = self.logits_from_hidden(h) if return_logits else None
+        lm_loss = self.lm_loss(logits, labels) if logits is not None else self.chunked_lm_loss(h, labels)
         loss = lm_loss
         mtp_loss = None
         if use_mtp:
