@@ -23,7 +23,7 @@ FLAGS = ("--cfg", "--plan", "--list", "--help", "-h")
 
 
 def _usage() -> str:
-    return __doc__.split("\n", 1)[1]
+    return "usage: moe-lc train [recipe=NAME] [key=value ...] [--cfg | --plan | --list | --help]\n" + __doc__.split("\n", 1)[1]
 
 
 def _listing() -> str:
