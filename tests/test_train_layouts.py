@@ -1,6 +1,8 @@
-"""A checkpoint saved under one parallel layout resumes under another: two data-parallel ranks
-(torchrun, gloo, FSDP2 from moe_lc.parallel) train and checkpoint; one process resumes. Both
-follow the single-process run: the same global batches, only summation orders differ."""
+"""A checkpoint saved under one parallel layout resumes under another. Two ranks (torchrun, gloo,
+moe_lc.parallel) train stage ctx256 data-parallel (FSDP2) and switch to tensor parallelism for
+stage ctx1k inside the run (checkpoint, rebuild, reload); one process then resumes from the
+FSDP checkpoint. All follow the single-process run: the same global batches, only summation
+orders differ."""
 
 from __future__ import annotations
 
@@ -55,15 +57,16 @@ def test_two_data_parallel_ranks_then_one_process(tmp_path, cache, monkeypatch):
     env = {**os.environ, "MOE_LC_CACHE": cache, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "moe_lc.train", *FAST, "layout=dp2", f"run_dir={dp2}"],
+         "-m", "moe_lc.train", *FAST, "layout=dp2", "curriculum.stages.ctx1k.layout={tp: 2, dp_shard: 1}",
+         f"run_dir={dp2}"],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "device cpu x 2" in proc.stdout
+    assert "device cpu x 2" in proc.stdout and "layout changes for stage ctx1k" in proc.stdout
     two = _losses(dp2)
     assert sorted(two) == sorted(ref) == [1, 2, 3, 4, 5]
-    for step in ref:
-        assert two[step] == pytest.approx(ref[step], rel=1e-5)
+    for step in ref:  # Adam's first steps magnify fp32 reordering a little: 1e-4
+        assert two[step] == pytest.approx(ref[step], rel=1e-5 if step <= 3 else 1e-4)
 
     resumed = tmp_path / "resumed"
     assert run_train_cli([*FAST, f"run_dir={resumed}", f"resume={dp2 / 'checkpoints' / 'step_00000002'}"]) == 0
