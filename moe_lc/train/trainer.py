@@ -51,6 +51,13 @@ class RunPosition:
     tokens_seen: int = 0
     train_time_s: float = 0.0  # accumulated step time over all launches
 
+    def advance(self, plan: "StagePlan", consumed: int, step_time_s: float) -> None:
+        """Account for one finished optimizer step of `plan` that started at `consumed` sequences."""
+        self.step += 1
+        self.consumed[plan.name] = consumed + plan.sequences_per_step
+        self.tokens_seen += plan.global_batch_tokens
+        self.train_time_s += step_time_s
+
 
 @dataclass
 class RunSummary:
@@ -123,7 +130,6 @@ class Trainer:
 
         resume_path, init_path = self._checkpoint_to_start_from()
         position = RunPosition()
-        trainer_state: Optional[dict] = None
         if resume_path is not None:
             trainer_state = read_trainer_state(resume_path)
             self._check_compatible(trainer_state, resume_path)
@@ -132,7 +138,7 @@ class Trainer:
                 int(trainer_state.get("tokens_seen", 0)), float(trainer_state.get("train_time_s", 0.0)),
             )
         elif init_path is not None:
-            self._check_compatible(read_trainer_state(init_path), init_path, model_only=True)
+            self._check_compatible(read_trainer_state(init_path), init_path)
 
         first = next_step_to_run(plans, position.step)
         if cfg.max_steps is not None and first is not None and first >= cfg.max_steps:
@@ -149,7 +155,7 @@ class Trainer:
         state: Optional[ModelState] = None
         summary = RunSummary(str(self.run_dir), position.step, 0, 0, 0.0, 0.0, None)
         launch_train_time = 0.0
-        last_saved = position.step if resume_path is not None else -1
+        self.last_saved_step = position.step if resume_path is not None else -1
         try:
             for plan in plans:
                 if not plan.run or position.step >= plan.end_step:
@@ -162,57 +168,23 @@ class Trainer:
                 if state is None:
                     state = self._build_state(plan, resume_path, init_path, position)
                 elif state.layout != plan.layout:
-                    if last_saved != position.step:  # the new layout reloads from a checkpoint of this step
+                    if self.last_saved_step != position.step:  # the new layout reloads a checkpoint of this step
                         summary.checkpoints.append(str(self._save(state, stage_at(plans, position.step - 1), position)))
-                        last_saved = position.step
                     state = None  # free the old model before building the new one
                     state = self._build_state(plan, None, None, position, rebuild=True)
                 data = build_stage_data(plan, cfg.data, cfg.model.vocab_size, cfg.seed, sync=self._rank0_first)
                 self.say(f"stage {plan.name}: seq_len {plan.seq_len}, {plan.sequences_per_step} seq/step "
                          f"({plan.global_batch_tokens} tokens), micro-batch {plan.micro_batch} x {plan.grad_accum} "
                          f"accumulation, steps {plan.start_step}..{plan.end_step - 1}, data {data.dataset!r}")
-                stage_time, stage_steps = 0.0, 0
-                while position.step < plan.end_step:
-                    if cfg.max_steps is not None and position.step >= cfg.max_steps:
-                        break
-                    if self.rt.any_rank(self._stop_requested):
-                        summary.stopped_early = True
-                        break
-                    consumed = position.consumed.get(plan.name, 0)
-                    t0 = time.perf_counter()
-                    micro = data.micro_batches(consumed, state.dp_rank)
-                    result = train_step(state, micro, position.step, self.total, cfg.optim, rt)
-                    if rt.device.type == "cuda":
-                        torch.cuda.synchronize(rt.device)
-                    dt = time.perf_counter() - t0
-                    position.step += 1
-                    position.consumed[plan.name] = consumed + plan.sequences_per_step
-                    position.tokens_seen += plan.global_batch_tokens
-                    position.train_time_s += dt
-                    launch_train_time += dt
-                    stage_time += dt
-                    stage_steps += 1
-                    summary.steps_this_launch += 1
-                    summary.tokens_this_launch += plan.global_batch_tokens
-                    summary.last_loss = result.loss
-                    self._log_step(sinks, state, plan, position, result, dt, stage_time / stage_steps)
-                    if not math.isfinite(result.loss):
-                        raise FloatingPointError(
-                            f"loss is {result.loss} at step {position.step}; lower optim.lr or check the data"
-                        )
-                    at_stage_end = position.step == plan.end_step and cfg.checkpoint.at_stage_end
-                    if cfg.checkpoint.every and position.step % cfg.checkpoint.every == 0 and not at_stage_end:
-                        summary.checkpoints.append(str(self._save(state, plan, position)))
-                        last_saved = position.step
+                launch_train_time += self._train_stage(state, plan, data, position, sinks, summary)
                 stage_done = position.step >= plan.end_step
                 if stage_done and cfg.eval.at_stage_end and (cfg.eval.sequences or cfg.eval.passkey_documents):
                     self._evaluate(sinks, state, plan, data, position)
-                if stage_done and cfg.checkpoint.at_stage_end and last_saved != position.step:
+                if stage_done and cfg.checkpoint.at_stage_end and self.last_saved_step != position.step:
                     summary.checkpoints.append(str(self._save(state, plan, position)))
-                    last_saved = position.step
                 if not stage_done:  # max_steps or a stop signal
                     break
-            if state is not None and last_saved != position.step:
+            if state is not None and self.last_saved_step != position.step:
                 current = stage_at(plans, max(position.step - 1, 0))
                 summary.checkpoints.append(str(self._save(state, current, position)))
         finally:
@@ -238,6 +210,39 @@ class Trainer:
         elif cfg.report.at_end:
             self._render_report()
         return summary
+
+    def _train_stage(
+        self, state: ModelState, plan: StagePlan, data: StageData, position: RunPosition, sinks, summary: RunSummary
+    ) -> float:
+        """Steps of `plan` from `position` until its end, max_steps or a stop signal; returns the step time spent."""
+        cfg, rt = self.cfg, self.rt
+        spent, steps = 0.0, 0
+        while position.step < plan.end_step:
+            if cfg.max_steps is not None and position.step >= cfg.max_steps:
+                break
+            if rt.any_rank(self._stop_requested):
+                summary.stopped_early = True
+                break
+            consumed = position.consumed.get(plan.name, 0)
+            t0 = time.perf_counter()
+            micro = data.micro_batches(consumed, state.dp_rank)
+            result = train_step(state, micro, position.step, self.total, cfg.optim, rt)
+            if rt.device.type == "cuda":
+                torch.cuda.synchronize(rt.device)
+            dt = time.perf_counter() - t0
+            position.advance(plan, consumed, dt)
+            spent += dt
+            steps += 1
+            summary.steps_this_launch += 1
+            summary.tokens_this_launch += plan.global_batch_tokens
+            summary.last_loss = result.loss
+            self._log_step(sinks, state, plan, position, result, dt, spent / steps)
+            if not math.isfinite(result.loss):
+                raise FloatingPointError(f"loss is {result.loss} at step {position.step}; lower optim.lr or check the data")
+            stage_end_save = position.step == plan.end_step and cfg.checkpoint.at_stage_end  # after the eval
+            if cfg.checkpoint.every and position.step % cfg.checkpoint.every == 0 and not stage_end_save:
+                summary.checkpoints.append(str(self._save(state, plan, position)))
+        return spent
 
     # ----------------------------------------------------------------- checkpoints
 
@@ -267,7 +272,7 @@ class Trainer:
             cfg.init_from
         )
 
-    def _check_compatible(self, saved: dict, path: Path, model_only: bool = False) -> None:
+    def _check_compatible(self, saved: dict, path: Path) -> None:
         """Clear errors for a checkpoint of another model or tokenizer (before any tensor is read)."""
         if saved.get("format") != CHECKPOINT_FORMAT:
             raise ConfigError(
@@ -320,6 +325,7 @@ class Trainer:
             position.step,
             {"model": state.model, "optim": state.optimizer, "trainer": self._trainer_state(plan, position, state)},
         )
+        self.last_saved_step = position.step
         self.say(f"checkpoint step {position.step} -> {path} ({time.perf_counter() - t0:.2f}s)")
         return path
 
