@@ -94,7 +94,8 @@ def test_attn_res_none_is_plain_residual():
 # -- masking and document independence -----------------------------------------------------
 def test_causal_document_attention_matches_masked_softmax():
     g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(1, 2, 23, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    q, k = (torch.randn(1, 2, 23, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, 2, 23, 6, generator=g, dtype=torch.float64)  # v narrower than q/k, as in MLA
     cu = torch.tensor([0, 5, 6, 17, 23])
     out = causal_document_attention(q, k, v, 0.3, cu)
     doc = torch.searchsorted(cu[1:], torch.arange(23), right=True)

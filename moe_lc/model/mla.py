@@ -25,6 +25,12 @@ def causal_document_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cu_seqlens: Optional[torch.Tensor]
 ) -> torch.Tensor:
     """Causal softmax attention that never crosses a document boundary. q,k,v: [B, H, T, D]."""
+    v_dim = v.shape[-1]
+    if q.device.type == "cpu" and v_dim < q.shape[-1]:
+        # CPU SDPA has a fast (flash) kernel only for equal q/k and v head sizes; zero columns
+        # of v give zero output columns, so padding and slicing back is exact.
+        v = F.pad(v, (0, q.shape[-1] - v_dim))
+        return causal_document_attention(q, k, v, scale, cu_seqlens)[..., :v_dim]
     if cu_seqlens is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     if q.shape[0] != 1:
