@@ -23,12 +23,7 @@ ONE_STEP = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def shared_cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MOE_LC_CACHE", str(tmp_path_factory.getbasetemp() / "moe_lc_cache"))
-    yield
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("shared_corpus_cache")
 
 
 def _fails(capsys, *args: str) -> str:

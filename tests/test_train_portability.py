@@ -28,12 +28,7 @@ FAST = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def shared_cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MOE_LC_CACHE", str(tmp_path_factory.getbasetemp() / "moe_lc_cache"))
-    yield
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("shared_corpus_cache")
 
 
 def _train(*overrides: str) -> None:
