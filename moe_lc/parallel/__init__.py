@@ -14,7 +14,8 @@ Typical use (every rank, after ``torch.distributed.init_process_group``)::
 See docs/parallelism.md.
 """
 
-from moe_lc.parallel.data_parallel import build_optimizer, clip_grad_norm_, finish_gradient_sync, set_gradient_sync
+from moe_lc.optim.clip import clip_grad_norm as clip_grad_norm_  # one mesh-aware clip for every layout
+from moe_lc.parallel.data_parallel import build_optimizer, finish_gradient_sync, set_gradient_sync
 from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.parallel.mesh import (
     balance_group,

@@ -1,4 +1,4 @@
-"""Data parallelism: FSDP2/HSDP or ZeRO-1, gradient synchronisation and clipping.
+"""Data parallelism: FSDP2/HSDP or ZeRO-1 and gradient synchronisation.
 
 Convention: gradients are SUMMED over data-parallel ranks (never averaged). Each rank scales
 its summed token loss by ``1 / global_label_tokens`` (``moe_lc.parallel.global_label_tokens``), so the
@@ -24,14 +24,14 @@ from __future__ import annotations
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor
 
 from moe_lc.model.ffn import GatedFFN
 from moe_lc.model.kda import KDAttention
@@ -129,36 +129,6 @@ def finish_gradient_sync(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: Iterable[Tensor], max_norm: float) -> Tensor:
-    """Global 2-norm of the gradients over every parallel dim, clipped to ``max_norm``; returns the norm.
-
-    Works with parameters on different meshes (dense DTensors, expert DTensors, plain tensors),
-    where ``torch.nn.utils.clip_grad_norm_`` cannot combine their norms. One all-reduce per
-    distinct (mesh, placements): shards are summed, replicas counted once.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.tensor(0.0)
-    squares: dict[Any, Tensor] = {}
-    for g in grads:
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-        sq = _local(g).float().pow(2).sum()
-        squares[key] = squares[key] + sq if key in squares else sq
-    total = torch.zeros((), dtype=torch.float32, device=_local(grads[0]).device)
-    for key, sq in squares.items():
-        if key is not None:
-            mesh, placements = key
-            partial = [Partial() if p.is_shard() else Replicate() for p in placements]
-            sq = DTensor.from_local(sq, mesh, partial, run_check=False).full_tensor()
-        total = total + sq.to(total.device)
-    norm = total.sqrt()
-    scale = float((max_norm / (norm + 1e-6)).clamp(max=1.0))
-    if scale < 1.0:
-        for g in grads:
-            g.mul_(scale)
-    return norm
-
-
 def _owner_of_params(params: list[Tensor], world: int) -> list[int]:
     """Greedy balanced assignment (largest first) of parameters to ranks; deterministic everywhere."""
     loads = [0] * world

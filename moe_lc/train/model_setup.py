@@ -60,12 +60,8 @@ class ModelState:
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global gradient norm before clipping (max_norm 0: measure only)."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.mesh is not None:
-            from moe_lc.parallel import clip_grad_norm_
-
-            return float(clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf")))
-        return float(clip_grad_norm(params, max_norm))
+        # mesh-aware: sums shard norms per device mesh, counts replicas once (any layout, or none)
+        return float(clip_grad_norm(self.model.parameters(), max_norm))
 
 
 def _optimizer_over(model: nn.Module, cfg: OptimConfig):
@@ -97,10 +93,8 @@ def build_model_state(
     notes = engine_notes(layout)
     if notes:
         raise ConfigError("cannot run this layout: " + "; ".join(notes) + " in moe_lc.parallel")
-    try:
-        from moe_lc import parallel
-    except ImportError as err:
-        raise ConfigError(f"running on {runtime.world_size} ranks needs moe_lc.parallel ({err})") from err
+    from moe_lc import parallel
+
     check_with_engine(layout, model_cfg, "layout", planning=False)
     engine_layout = to_parallel_layout(layout)
     mesh = parallel.build_mesh(engine_layout, runtime.world_size, runtime.device.type)
