@@ -32,9 +32,10 @@ from torch import Tensor
 
 CHUNK = 64
 # Launch choices (benchmarked in kernels/NOTES.md); MOE_LC_KDA_TUNING="key=value,..." overrides.
-TUNING = dict(inverse="blocked", prep_warps=8, state_warps=4, state_stages=2, intra_warps=8, intra_bv=32,
-              bwd_states="fp32", intra_prec="tf32x3")
-_TEXT_TUNING = ("inverse", "bwd_states", "intra_prec")
+TUNING = dict(prep_warps=8, prep_bk=16, wu_warps=8, state_warps=4, state_stages=2, intra_warps=8, intra_bv=32,
+              bwd_states="fp32", intra_prec="tf32x3",
+              bwd_split=1, vside_warps=4, vside_bv=64, kside_warps=4, kside_bk=16)
+_TEXT_TUNING = ("bwd_states", "intra_prec")
 for _item in filter(None, os.environ.get("MOE_LC_KDA_TUNING", "").split(",")):
     _key, _value = _item.split("=")
     TUNING[_key] = _value if _key in _TEXT_TUNING else int(_value)
@@ -138,7 +139,7 @@ class _Flags:
 def _config(q: Tensor, v: Tensor) -> dict:
     inter = torch.float32 if q.dtype == torch.float32 else torch.bfloat16
     exact = inter == torch.float32
-    return dict(inter=inter, dot="ieee" if exact else "tf32", inv="ieee" if exact else "tf32x3",
+    return dict(inter=inter, dot="ieee" if exact else "tf32",
                 BV=min(64, q.shape[-1], v.shape[-1]))
 
 
@@ -152,16 +153,19 @@ def _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan: _Plan, flags: _Flags, cfg
     u = torch.empty(total, heads, value_dim, device=q.device, dtype=inter)
     aqk = torch.empty(total, heads, CHUNK, device=q.device, dtype=inter)
     gc = torch.empty(plan.num_chunks, heads, key_dim, device=q.device, dtype=torch.float32)
-    x = (torch.empty(plan.num_chunks, heads, CHUNK, CHUNK, device=q.device, dtype=torch.float32)
-         if store_x else gc)
-    kt._prep_kernel[(plan.num_chunks, heads)](
-        q, k, v, gz, beta, A_log if A_log is not None else gc, dt_bias if dt_bias is not None else gc,
-        plan.chunk_bos, plan.chunk_eos, w, u, qg, kend, aqk, gc, x,
-        flags.scale, flags.lower_bound, heads,
-        K=key_dim, V=value_dim, BT=CHUNK, GATE_IN_KERNEL=flags.gate_in_kernel, HAS_DT_BIAS=dt_bias is not None,
-        L2NORM=flags.l2norm, BETA_SIGMOID=flags.beta_sigmoid, STORE_X=store_x, DOT_PREC=cfg["dot"],
-        INV_BLOCKED=TUNING["inverse"] == "blocked", INV_PREC=cfg["inv"], num_warps=TUNING["prep_warps"], num_stages=1,
-    )
+    x = torch.empty(plan.num_chunks, heads, CHUNK, CHUNK, device=q.device, dtype=torch.float32)
+    a_log = A_log if A_log is not None else gc
+    dtb = dt_bias if dt_bias is not None else gc
+    grid = (plan.num_chunks, heads)
+    # w holds Gamma K until _wu_kernel turns it into W; the 16x16 inverse products run in exact fp32
+    kt._prep_blocked_kernel[grid](q, k, gz, beta, a_log, dtb, plan.chunk_bos, plan.chunk_eos, w, qg, kend, aqk, gc, x,
+                                  flags.scale, flags.lower_bound, heads, K=key_dim, BK=min(TUNING["prep_bk"], key_dim),
+                                  BT=CHUNK, GATE_IN_KERNEL=flags.gate_in_kernel, HAS_DT_BIAS=dt_bias is not None,
+                                  L2NORM=flags.l2norm, BETA_SIGMOID=flags.beta_sigmoid, DOT_PREC=cfg["dot"],
+                                  INV_PREC="ieee", num_warps=TUNING["prep_warps"], num_stages=1)
+    kt._wu_kernel[grid](v, beta, x, plan.chunk_bos, plan.chunk_eos, w, u, heads, K=key_dim, V=value_dim, BT=CHUNK,
+                        BC=min(64, key_dim, value_dim), BETA_SIGMOID=flags.beta_sigmoid, DOT_PREC=cfg["dot"],
+                        num_warps=TUNING["wu_warps"], num_stages=2)
     return w, u, qg, kend, aqk, gc, (x if store_x else None)
 
 
@@ -214,6 +218,40 @@ def _segment_end_grads(dpart, transitions, dfinal, plan):
         dend[segs] = current
         grad[seqs] = torch.matmul(transitions[segs].transpose(-1, -2), current) + dpart[segs]
     return dend
+
+
+def _bwd_vside(kt, v: Tensor, beta: Tensor, w: Tensor, x: Tensor, states: Tensor, dh: Tensor, ddelta: Tensor,
+               do: Tensor, dv: Tensor, plan: _Plan, meta: dict) -> dict[str, Tensor]:
+    """Backward, part 1: dv, and the V-contracted gradients into fp32 scratch (3 of [T, H, K])."""
+    total, heads, key_dim = w.shape
+    value_dim = v.shape[-1]
+    dev = v.device
+    scratch = {name: torch.empty(total, heads, key_dim, device=dev, dtype=torch.float32)
+               for name in ("dqg", "dw", "dkend")}
+    for name in ("daqk", "dt"):
+        scratch[name] = torch.empty(plan.num_chunks, heads, CHUNK, CHUNK, device=dev, dtype=torch.float32)
+    scratch["dgc"] = torch.empty(plan.num_chunks, heads, key_dim, device=dev, dtype=torch.float32)
+    kt._bwd_vside_kernel[(plan.num_chunks, heads, 2)](
+        v, beta, plan.chunk_bos, plan.chunk_eos, x, w, states, dh, ddelta, do,
+        dv, scratch["dqg"], scratch["dw"], scratch["dkend"], scratch["daqk"], scratch["dt"], scratch["dgc"], heads,
+        K=key_dim, V=value_dim, BV=min(TUNING["vside_bv"], value_dim), num_warps=TUNING["vside_warps"], **meta,
+    )
+    return scratch
+
+
+def _bwd_kside(kt, q: Tensor, k: Tensor, gz: Tensor, beta: Tensor, A_log: Tensor, dt_bias: Tensor, x: Tensor,
+               scratch: dict[str, Tensor], dq: Tensor, dk: Tensor, dgz: Tensor, dbeta: Tensor, dA_part: Tensor,
+               ddtb_part: Tensor, plan: _Plan, flags: _Flags, has_dt_bias: bool, meta: dict) -> None:
+    """Backward, part 2: dq, dk, dgz, dbeta and the per-chunk A_log/dt_bias partials from the scratch
+    (whose dqg/dkend rows it overwrites)."""
+    heads, key_dim = q.shape[1], q.shape[2]
+    kt._bwd_kside_kernel[(plan.num_chunks, heads)](
+        q, k, gz, beta, A_log, dt_bias, plan.chunk_bos, plan.chunk_eos, x,
+        scratch["dqg"], scratch["dw"], scratch["dkend"], scratch["daqk"], scratch["dt"], scratch["dgc"],
+        dq, dk, dgz, dbeta, dA_part, ddtb_part, flags.scale, flags.lower_bound, heads,
+        K=key_dim, BK=min(TUNING["kside_bk"], key_dim), GATE_IN_KERNEL=flags.gate_in_kernel,
+        HAS_DT_BIAS=has_dt_bias, L2NORM=flags.l2norm, num_warps=TUNING["kside_warps"], **meta,
+    )
 
 
 class _ChunkKDAFunction(torch.autograd.Function):
@@ -271,7 +309,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
         kt._state_bwd_kernel[grid](qg, w, kend, aqk, gc, do, dh, ddelta, dend if dend is not None else dstart,
                                    dstart, plan.seg_chunk0, plan.seg_nchunks, plan.seg_bos, plan.seg_eos, heads,
                                    HAS_INIT=dend is not None, STORE=True, **common)
-        del w, u, qg, kend, aqk
+        del u, qg, kend, aqk
 
         dq, dk, dv, dgz = (torch.empty_like(t) for t in (q, k, v, gz))
         dbeta = torch.empty_like(beta)
@@ -279,16 +317,26 @@ class _ChunkKDAFunction(torch.autograd.Function):
         dA_part = torch.empty(plan.num_chunks, heads, device=q.device, dtype=torch.float32) if gate else gc
         ddtb_part = (torch.empty(plan.num_chunks, heads, key_dim, device=q.device, dtype=torch.float32)
                      if gate and dt_bias is not None else gc)
-        kt._bwd_intra_kernel[(plan.num_chunks, heads)](
-            q, k, v, gz, beta, A_log if A_log is not None else gc, dt_bias if dt_bias is not None else gc,
-            plan.chunk_bos, plan.chunk_eos, x, states, dh, ddelta, do,
-            dq, dk, dv, dgz, dbeta, dA_part, ddtb_part,
-            flags.scale, flags.lower_bound, heads,
-            K=key_dim, V=value_dim, BV=min(TUNING["intra_bv"], value_dim), BT=CHUNK, GATE_IN_KERNEL=gate,
-            HAS_DT_BIAS=dt_bias is not None, L2NORM=flags.l2norm, BETA_SIGMOID=flags.beta_sigmoid, DOT_PREC=cfg["dot"],
-            PREC=cfg["dot"] if cfg["dot"] == "ieee" else TUNING["intra_prec"], num_warps=TUNING["intra_warps"],
-            num_stages=1,
-        )
+        prec = cfg["dot"] if cfg["dot"] == "ieee" else TUNING["intra_prec"]
+        a_log = A_log if A_log is not None else gc
+        dtb = dt_bias if dt_bias is not None else gc
+        flag_meta = dict(BT=CHUNK, BETA_SIGMOID=flags.beta_sigmoid, PREC=prec, num_stages=1)
+        if TUNING["bwd_split"]:
+            scratch = _bwd_vside(kt, v, beta, w, x, states, dh, ddelta, do, dv, plan, flag_meta)
+            del w, states, dh, ddelta  # the largest buffers; the k-side kernel reads only the scratch
+            _bwd_kside(kt, q, k, gz, beta, a_log, dtb, x, scratch, dq, dk, dgz, dbeta, dA_part, ddtb_part,
+                       plan, flags, dt_bias is not None, flag_meta)
+            del scratch
+        else:
+            kt._bwd_intra_kernel[(plan.num_chunks, heads)](
+                q, k, v, gz, beta, a_log, dtb, plan.chunk_bos, plan.chunk_eos, x, states, dh, ddelta, do,
+                dq, dk, dv, dgz, dbeta, dA_part, ddtb_part, flags.scale, flags.lower_bound, heads,
+                K=key_dim, V=value_dim, BV=min(TUNING["intra_bv"], value_dim), GATE_IN_KERNEL=gate,
+                HAS_DT_BIAS=dt_bias is not None, L2NORM=flags.l2norm, DOT_PREC=cfg["dot"],
+                num_warps=TUNING["intra_warps"], **flag_meta,
+            )
+            del w, states, dh, ddelta
+        del x
         dA_log = dA_part.sum(0).to(A_log.dtype) if gate and A_log is not None and ctx.needs_input_grad[5] else None
         ddt_bias = (ddtb_part.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)
                     if gate and dt_bias is not None and ctx.needs_input_grad[6] else None)
@@ -383,9 +431,9 @@ def chunk_kda_fused(
                 segment_chunks, lens)
 
 
-# Largest head dim whose backward kernel was seen to fit in shared memory on an H200 (d=128 needs
-# 330-425 KB against 227 KB in the current _bwd_intra_kernel; see kernels/NOTES.md).
-MAX_TRAINING_HEAD_DIM = 64
+# Largest head dim run forward and backward on an H200 (d=128: every output and gradient within
+# 5.3e-3 of float64; larger dims were never compiled for a GPU; see kernels/NOTES.md).
+MAX_TRAINING_HEAD_DIM = 128
 
 
 def kernel_head_dim_ok(dim: int) -> bool:

@@ -303,8 +303,7 @@ def _kernel_takes(q: Tensor) -> bool:
 
 def _triton_backend(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
     """moe_lc_kernels' Triton kernels; inputs they cannot take (unbounded gates, head dims that
-    are not powers of two in [16, 64] -- the d=128 backward does not fit shared memory yet) run on
-    the torch reference instead."""
+    are not powers of two in [16, 128], the largest run on a GPU) run on the torch reference instead."""
     from moe_lc_kernels.kda import MAX_TRAINING_HEAD_DIM, chunk_kda_triton, gate_is_bounded, kernel_head_dim_ok
 
     dims_ok = kernel_head_dim_ok(q.shape[-1]) and kernel_head_dim_ok(v.shape[-1])
