@@ -32,9 +32,9 @@ from torch import Tensor
 
 CHUNK = 64
 # Launch choices (benchmarked in kernels/NOTES.md); MOE_LC_KDA_TUNING="key=value,..." overrides.
-TUNING = dict(prep_warps=8, prep_bk=16, wu_warps=8, state_warps=4, state_stages=2, intra_warps=8, intra_bv=32,
+TUNING = dict(prep_warps=8, prep_bk=16, wu_warps=8, state_warps=4, state_stages=2,
               bwd_states="fp32", intra_prec="tf32x3",
-              bwd_split=1, vside_warps=4, vside_bv=64, kside_warps=4, kside_bk=16)
+              vside_warps=4, vside_bv=64, kside_warps=4, kside_bk=16)
 _TEXT_TUNING = ("bwd_states", "intra_prec")
 for _item in filter(None, os.environ.get("MOE_LC_KDA_TUNING", "").split(",")):
     _key, _value = _item.split("=")
@@ -321,21 +321,11 @@ class _ChunkKDAFunction(torch.autograd.Function):
         a_log = A_log if A_log is not None else gc
         dtb = dt_bias if dt_bias is not None else gc
         flag_meta = dict(BT=CHUNK, BETA_SIGMOID=flags.beta_sigmoid, PREC=prec, num_stages=1)
-        if TUNING["bwd_split"]:
-            scratch = _bwd_vside(kt, v, beta, w, x, states, dh, ddelta, do, dv, plan, flag_meta)
-            del w, states, dh, ddelta  # the largest buffers; the k-side kernel reads only the scratch
-            _bwd_kside(kt, q, k, gz, beta, a_log, dtb, x, scratch, dq, dk, dgz, dbeta, dA_part, ddtb_part,
-                       plan, flags, dt_bias is not None, flag_meta)
-            del scratch
-        else:
-            kt._bwd_intra_kernel[(plan.num_chunks, heads)](
-                q, k, v, gz, beta, a_log, dtb, plan.chunk_bos, plan.chunk_eos, x, states, dh, ddelta, do,
-                dq, dk, dv, dgz, dbeta, dA_part, ddtb_part, flags.scale, flags.lower_bound, heads,
-                K=key_dim, V=value_dim, BV=min(TUNING["intra_bv"], value_dim), GATE_IN_KERNEL=gate,
-                HAS_DT_BIAS=dt_bias is not None, L2NORM=flags.l2norm, DOT_PREC=cfg["dot"],
-                num_warps=TUNING["intra_warps"], **flag_meta,
-            )
-            del w, states, dh, ddelta
+        scratch = _bwd_vside(kt, v, beta, w, x, states, dh, ddelta, do, dv, plan, flag_meta)
+        del w, states, dh, ddelta  # the largest buffers; the k-side kernel reads only the scratch
+        _bwd_kside(kt, q, k, gz, beta, a_log, dtb, x, scratch, dq, dk, dgz, dbeta, dA_part, ddtb_part,
+                   plan, flags, dt_bias is not None, flag_meta)
+        del scratch
         del x
         dA_log = dA_part.sum(0).to(A_log.dtype) if gate and A_log is not None and ctx.needs_input_grad[5] else None
         ddt_bias = (ddtb_part.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)

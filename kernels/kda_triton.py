@@ -397,7 +397,7 @@ def _state_bwd_kernel(qg, w, kend, aqk, gc, do, dh, ddelta, seg_init, seg_start_
 
 @triton.jit
 def _score_grads_tile(dA, dAqk, bv, kv, qs, kn, f, pk, pq, dkn, db, rows, b: tl.constexpr, PREC: tl.constexpr):
-    """Backward of one key tile b of R and Aqk (see _bwd_intra_kernel)."""
+    """Backward of one key tile b of R and Aqk (see _bwd_kside_kernel)."""
     kn_b = _in_tile(kn, rows, b)
     u = tl.dot(dA, kn_b, input_precision=PREC)
     db += tl.sum(kv * f * u, axis=1)
@@ -410,124 +410,9 @@ def _score_grads_tile(dA, dAqk, bv, kv, qs, kn, f, pk, pq, dkn, db, rows, b: tl.
 
 
 # ----------------------------------------------------------------------------- backward, parallel part
-@triton.jit
-def _bwd_intra_kernel(q, k, v, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
-                      x_in, states, dh, ddelta, do,
-                      dq, dk, dv, dgz, dbeta, dA_part, ddtb_part,
-                      scale, lower_bound, H,
-                      K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                      GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
-                      BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr, PREC: tl.constexpr):
-    """Every input gradient of one chunk, given its entering state S, dS after it and dDelta."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    c64 = c.to(tl.int64)
-    bos = tl.load(chunk_bos + c).to(tl.int64)
-    eos = tl.load(chunk_eos + c).to(tl.int64)
-    rows = tl.arange(0, BT)
-    valid = (bos + rows) < eos
-    m2 = valid[:, None]
-    ck = tl.arange(0, K)
-    cb = tl.arange(0, BT)
-    offk = ((bos + rows)[:, None] * H + h) * K + ck[None, :]
-
-    qv, kv, rq, rk, g, s, sig, bv = _load_chunk(q, k, gz, beta, A_log, dt_bias, bos, eos, h, H, lower_bound,
-                                                K, BT, GATE_IN_KERNEL, HAS_DT_BIAS, L2NORM, BETA_SIGMOID)
-    qs = qv * scale
-    G = tl.cumsum(g, axis=0)
-    GC = tl.sum(g, axis=0)
-    eG = tl.exp(G)
-    X = tl.load(x_in + ((c64 * H + h) * BT + rows[:, None]) * BT + cb[None, :])
-    T = X * bv[None, :]
-    kg = kv * eG
-    W = tl.dot(T, kg, input_precision=PREC)
-
-    # Gradients of the chunk's state-pass operands, V in blocks of BV (bounded shared memory).
-    Wb = W.to(states.dtype.element_ty)
-    dqg = tl.zeros([BT, K], dtype=tl.float32)
-    dW = tl.zeros([BT, K], dtype=tl.float32)
-    dkend = tl.zeros([BT, K], dtype=tl.float32)
-    dAqk = tl.zeros([BT, BT], dtype=tl.float32)
-    dT = tl.zeros([BT, BT], dtype=tl.float32)
-    dgc = tl.zeros([K], dtype=tl.float32)
-    for vb in tl.static_range(0, V // BV):
-        cvb = vb * BV + tl.arange(0, BV)
-        offb = ((bos + rows)[:, None] * H + h) * V + cvb[None, :]
-        vv = tl.load(v + offb, mask=m2, other=0.0).to(tl.float32)
-        base_s = ((c64 * H + h) * K + ck[:, None]) * V + cvb[None, :]
-        S = tl.load(states + base_s)
-        dH = tl.load(dh + base_s)
-        D = tl.dot(T, vv, input_precision=PREC) - tl.dot(Wb, S, input_precision=PREC)
-        dOt = tl.load(do + offb, mask=m2, other=0.0).to(tl.float32)
-        dD = tl.load(ddelta + offb, mask=m2, other=0.0).to(tl.float32)
-        dgc += tl.sum(S.to(tl.float32) * dH.to(tl.float32), axis=1)
-        dqg += tl.dot(dOt.to(S.dtype), tl.trans(S), input_precision=PREC)
-        dW -= tl.dot(dD.to(S.dtype), tl.trans(S), input_precision=PREC)
-        dkend += tl.dot(D.to(dH.dtype), tl.trans(dH), input_precision=PREC)
-        dAqk += tl.dot(dOt, tl.trans(D), input_precision=PREC)
-        dT += tl.dot(dD, tl.trans(vv), input_precision=PREC)  # U = T V
-        dvv = tl.dot(tl.trans(T), dD, input_precision=PREC)
-        tl.store(dv + offb, dvv.to(dv.dtype.element_ty), mask=m2)
-    dAqk = tl.where(rows[:, None] >= cb[None, :], dAqk, 0.0)
-
-    # W = T (Gamma K), T = X Diag(b), X = (I + Diag(b) R)^-1.
-    dT += tl.dot(dW, tl.trans(kg), input_precision=PREC)
-    dkg = tl.dot(tl.trans(T), dW, input_precision=PREC)
-    db = tl.sum(dT * X, axis=0)  # over rows i: d b_j from T = X Diag(b)
-    dX = dT * bv[None, :]
-    dA = -tl.dot(tl.dot(tl.trans(X), dX, input_precision=PREC), tl.trans(X), input_precision=PREC)
-    dA = tl.where(rows[:, None] > cb[None, :], dA, 0.0)
-
-    # R = sum_b (K F_b)(K E in tile b)^T, Aqk = sum_b (Q F_b)(K E in tile b)^T; rho_b cancels.
-    # One key tile at a time, so only one tile's operands are live; d b_i from A = Diag(b) R is
-    # sum_j dA_ij R_ij = sum_b rowsum((K F_b) * (dA (K E)_b)), with no need to rebuild R.
-    r1, r2, r3, rho_row = _tile_start(G, rows, BT)
-    E = tl.exp(rho_row - G)
-    kn = kv * E
-    pk = tl.zeros([BT, K], dtype=tl.float32)
-    pq = tl.zeros([BT, K], dtype=tl.float32)
-    dkn = tl.zeros([BT, K], dtype=tl.float32)
-    pk, pq, dkn, db = _score_grads_tile(dA, dAqk, bv, kv, qs, kn, eG, pk, pq, dkn, db, rows, 0, PREC)
-    pk, pq, dkn, db = _score_grads_tile(dA, dAqk, bv, kv, qs, kn, _from_tile(G, r1, rows, 16), pk, pq, dkn, db,
-                                        rows, 1, PREC)
-    pk, pq, dkn, db = _score_grads_tile(dA, dAqk, bv, kv, qs, kn, _from_tile(G, r2, rows, 32), pk, pq, dkn, db,
-                                        rows, 2, PREC)
-    pk, pq, dkn, db = _score_grads_tile(dA, dAqk, bv, kv, qs, kn, _from_tile(G, r3, rows, 48), pk, pq, dkn, db,
-                                        rows, 3, PREC)
-
-    kend_f = tl.exp(GC[None, :] - G)
-    dkk = pk + dkn * E + dkg * eG + dkend * kend_f
-    dqs = pq + dqg * eG
-    dG = (pk * kv + pq * qs - dkn * kn + dkg * kg + dqg * qs * eG - dkend * kv * kend_f)
-    dGC = tl.sum(dkend * kv * kend_f, axis=0) + dgc * tl.exp(GC)
-    dg = tl.cumsum(dG, axis=0, reverse=True) + dGC[None, :]
-
-    if GATE_IN_KERNEL:
-        ds = dg * lower_bound * sig * (1.0 - sig)
-        ds = tl.where(m2, ds, 0.0)
-        rate = tl.exp(tl.load(A_log + h).to(tl.float32))
-        tl.store(dgz + offk, (ds * rate).to(dgz.dtype.element_ty), mask=m2)
-        tl.store(ddtb_part + (c64 * H + h) * K + ck, tl.sum(ds * rate, axis=0))
-        tl.store(dA_part + c64 * H + h, tl.sum(tl.sum(ds * s, axis=1), axis=0))
-    else:
-        tl.store(dgz + offk, dg.to(dgz.dtype.element_ty), mask=m2)
-
-    if BETA_SIGMOID:
-        db = db * bv * (1.0 - bv)
-    tl.store(dbeta + (bos + rows) * H + h, db.to(dbeta.dtype.element_ty), mask=valid)
-
-    dqn = dqs * scale
-    if L2NORM:
-        dqn = (dqn - qv * tl.sum(dqn * qv, axis=1)[:, None]) * rq[:, None]
-        dkk = (dkk - kv * tl.sum(dkk * kv, axis=1)[:, None]) * rk[:, None]
-    tl.store(dq + offk, dqn.to(dq.dtype.element_ty), mask=m2)
-    tl.store(dk + offk, dkk.to(dk.dtype.element_ty), mask=m2)
-
-
-# ----------------------------------------------------------------------------- backward, split in two
-# _bwd_intra_kernel keeps every per-chunk gradient of d=128 live at once (160 KB of shared memory
-# at d=128, one program per SM, register spills). The same math in two kernels with few live
-# tiles: _bwd_vside_kernel does the V-contractions (fp32 scratch out), _bwd_kside_kernel the rest,
+# One kernel holding every per-chunk gradient at once needed 160 KB of shared memory at d=128 (one
+# program per SM, register spills). So two kernels with few live tiles: _bwd_vside_kernel does
+# the V-contractions (fp32 scratch out), _bwd_kside_kernel the rest,
 # one block of key columns at a time. Addresses are a scalar int64 base plus int32 tile offsets
 # made where they are used: a [64, 128] tile of 64-bit addresses kept live costs 128 registers
 # per thread at 4 warps. H is a compile-time constant so that row strides are immediates.
@@ -620,7 +505,7 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
                       K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                       GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
                       BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr):
-    """The rest of _bwd_intra_kernel from _bwd_vside_kernel's scratch, key columns in blocks of BK.
+    """The key-side gradients from _bwd_vside_kernel's scratch, key columns in blocks of BK.
 
     Everything is separable over key columns except four row sums, which accumulate over the
     blocks: dT += dW (Gamma K)^T (pass 1, before the UT backward), d b from the score tiles, and
@@ -675,7 +560,7 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
     dA = tl.where(rows[:, None] > cb[None, :], dA, 0.0)
     dAqk = tl.load(daqk_in + sq + rows[:, None] * BT + cb[None, :])
 
-    # Pass 2: per column block, the score gradients (see _bwd_intra_kernel), dkg = T^T dW, the
+    # Pass 2: per column block, the score gradients (_score_grads_tile), dkg = T^T dW, the
     # gate/cumsum backward; unnormalised dq/dk, and the two row products of the L2-norm backward.
     rowq = tl.zeros([BT], dtype=tl.float32)
     rowk = tl.zeros([BT], dtype=tl.float32)
