@@ -280,12 +280,15 @@ def main(argv=None):
     parser.add_argument("--fuzz", type=int, default=12)
     parser.add_argument("--seg-sweep", action="store_true", help="time segment lengths at the long shapes")
     parser.add_argument("--variants", default="", help="';'-separated TUNING overrides to time, e.g. "
-                        "'inverse=loop;prep_warps=4'")
+                        "'intra_prec=tf32;prep_warps=4,prep_bk=32'")
     parser.add_argument("--seg-shapes", default="B1_T64K")
-    parser.add_argument("--fla-fuzz", type=int, default=2, help="fuzz cases also checked with fla (autotunes!)")
+    parser.add_argument("--fla-fuzz", type=int, default=0, help="fuzz cases also checked with fla (fla re-autotunes for "
+                        "every new head count / dim: minutes each on a fresh machine)")
     parser.add_argument("--fuzz-variant", default="", help="TUNING override for a second, shorter fuzz")
     parser.add_argument("--variant-shapes", default="B8_T4K,B1_T64K")
     parser.add_argument("--check-shapes", default="B8_T4K,B2_T16K,B1_T64K,B1_T256K,B2_T8K_H64,varlen_64K")
+    parser.add_argument("--budget-s", type=float, default=480, help="skip the checks, fuzz and sweeps that would "
+                        "start after this many seconds (the timing table always runs first)")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     import triton
@@ -298,26 +301,20 @@ def main(argv=None):
     except Exception:  # noqa: BLE001
         report["fla"] = None
     print(report, flush=True)
+    started = time.time()
+
+    def in_budget(phase: str) -> bool:
+        """Whether to start ``phase``; the report so far is written either way."""
+        save(args.out, report)
+        if time.time() - started < args.budget_s:
+            return True
+        print(f"skipping {phase}: {time.time() - started:.0f} s of the {args.budget_s:.0f} s budget spent", flush=True)
+        return False
+
     bandwidth, flops = ceilings(device)
     report.update(copy_bandwidth_TBps=bandwidth / 1e12, bf16_matmul_TFLOPs=flops / 1e12)
     print(f"measured ceilings: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
 
-    if not args.no_check:
-        t0 = time.time()
-        fla = fla_fn()
-        worst, rows = fuzz(device, args.fuzz, fla_check=fla_errors(fla) if fla is not None else None,
-                           fla_trials=args.fla_fuzz)
-        if args.fuzz_variant:
-            from moe_lc_kernels import kda as kda_mod
-
-            base = dict(kda_mod.TUNING)
-            kda_mod.TUNING.update({k: v for k, v in (i.split("=") for i in args.fuzz_variant.split(","))})
-            print(f"fuzz with {args.fuzz_variant}:", flush=True)
-            report["fuzz_variant"] = fuzz(device, 4)
-            kda_mod.TUNING.clear()
-            kda_mod.TUNING.update(base)
-        report["fuzz"] = {"worst_rel": worst, "trials": rows}
-        print(f"fuzz worst rel vs float64: {worst:.2e} ({time.time() - t0:.0f} s)", flush=True)
     impls = {"ours": ours, "fla": fla_fn(), "torch": lambda x, cu: reference(x, cu, None, torch.float32)}
     results = []
     for name in args.shapes.split(","):
@@ -332,7 +329,7 @@ def main(argv=None):
         print(json.dumps(r), flush=True)
         print_table([r])
     report["results"] = results
-    if not args.no_check:
+    if not args.no_check and in_budget("checks"):
         report["checks"] = {}
         for name in args.check_shapes.split(","):
             if not name:
@@ -348,16 +345,31 @@ def main(argv=None):
             del x, h0
             torch.cuda.empty_cache()
 
-    if args.variants:
+    if not args.no_check and in_budget("fuzz"):
+        t0 = time.time()
+        fla = fla_fn()
+        worst, rows = fuzz(device, args.fuzz, fla_check=fla_errors(fla) if fla is not None else None,
+                           fla_trials=args.fla_fuzz)
+        if args.fuzz_variant:
+            from moe_lc_kernels import kda as kda_mod
+
+            base = dict(kda_mod.TUNING)
+            kda_mod.TUNING.update(tuning_overrides(args.fuzz_variant))
+            print(f"fuzz with {args.fuzz_variant}:", flush=True)
+            report["fuzz_variant"] = fuzz(device, 4)
+            kda_mod.TUNING.clear()
+            kda_mod.TUNING.update(base)
+        report["fuzz"] = {"worst_rel": worst, "trials": rows}
+        print(f"fuzz worst rel vs float64: {worst:.2e} ({time.time() - t0:.0f} s)", flush=True)
+    if args.variants and in_budget("variants"):
         from moe_lc_kernels import kda as kda_mod
 
         base = dict(kda_mod.TUNING)
         rows = []
         for variant in ["", *args.variants.split(";")]:
-            override = dict(item.split("=") for item in filter(None, variant.split(",")))
             kda_mod.TUNING.clear()
             kda_mod.TUNING.update(base)
-            kda_mod.TUNING.update({k: (v if k == "inverse" else int(v)) for k, v in override.items()})
+            kda_mod.TUNING.update(tuning_overrides(variant))
             for name in args.variant_shapes.split(","):
                 batch, seq_len, heads, docs = SHAPES[name]
                 x, cu = make_inputs(batch, seq_len, heads, 128, docs, device, torch.bfloat16, 7)
@@ -372,7 +384,7 @@ def main(argv=None):
         kda_mod.TUNING.update(base)
         report["variants"] = rows
 
-    if args.seg_sweep:
+    if args.seg_sweep and in_budget("seg sweep"):
         sweep = []
         for name in args.seg_shapes.split(","):
             batch, seq_len, heads, docs = SHAPES[name]
@@ -394,10 +406,22 @@ def main(argv=None):
             print(f"{name}: {meta}")
     except Exception as exc:  # noqa: BLE001
         print(f"kernel resource report failed: {exc!r}")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_kda.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    save(args.out, report)
     print_table(results)
+
+
+def tuning_overrides(text: str) -> dict:
+    """'key=value,...' as TUNING entries (text keys stay strings, the rest are ints)."""
+    from moe_lc_kernels import kda as kda_mod
+
+    pairs = (item.split("=") for item in filter(None, text.split(",")))
+    return {k: (v if k in kda_mod._TEXT_TUNING else int(v)) for k, v in pairs}
+
+
+def save(out_dir: str, report: dict) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "bench_kda.json"), "w") as f:
+        json.dump(report, f, indent=1)
 
 
 def kernel_resources():

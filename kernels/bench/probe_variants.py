@@ -19,9 +19,7 @@ from moe_lc_kernels import kda_triton as kt  # noqa: E402
 def apply(variant: str, base: dict) -> None:
     K.TUNING.clear()
     K.TUNING.update(base)
-    for item in filter(None, variant.split(",")):
-        key, value = item.split("=")
-        K.TUNING[key] = value if key in K._TEXT_TUNING else int(value)
+    K.TUNING.update(b.tuning_overrides(variant))
 
 
 def main() -> int:
