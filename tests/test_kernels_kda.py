@@ -98,6 +98,24 @@ def test_fused_packed_documents_segmented():
         assert_matches(x, h0, out, final, *fused_reference(x, h0, cu))
 
 
+def test_fused_worst_case_inverse_identical_keys_no_decay():
+    """Adversarial UT inverse: one key repeated, decay ~1 and beta ~1 make every in-tile score 1.
+    The 16x16 diagonal inverse is a product of powers of N, whose entries reach C(15, 7) = 6435
+    here, so fp32 loses ~3e-4 (measured) where random keys lose ~1e-6; tf32-level, far below the
+    bf16 rounding of a training run, and a broken inverse would be off by O(1)."""
+    gen = torch.Generator().manual_seed(6)
+    seq_len, dim = 128, 32
+    x = dict(q=torch.randn(1, seq_len, 1, dim, generator=gen),
+             k=torch.randn(1, 1, 1, dim, generator=gen).expand(1, seq_len, 1, dim).contiguous(),
+             v=torch.randn(1, seq_len, 1, dim, generator=gen), z=torch.full((1, seq_len, 1, dim), -30.0),
+             beta=torch.full((1, seq_len, 1), 20.0), A_log=torch.zeros(1), dt_bias=torch.zeros(dim))
+    x = {n: t.to(DEVICE) for n, t in x.items()}
+    out, final = chunk_kda_fused(x["q"], x["k"], x["v"], x["z"], x["beta"], x["A_log"], x["dt_bias"],
+                                 output_final_state=True)
+    ref_out, ref_final = fused_reference(x, None, None)
+    assert rel(out, ref_out) < 1e-3 and rel(final, ref_final) < 1e-3
+
+
 def test_backend_signature_with_given_gate_and_unequal_dims():
     """chunk_kda_triton takes normalised q/k, a precomputed bounded g and beta (K=16 != V=32)."""
     gen = torch.Generator().manual_seed(3)
