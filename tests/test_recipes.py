@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fnmatch
 import math
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +15,7 @@ from moe_lc.train.layout import resolve_layout
 from moe_lc.train.config import LayoutConfig
 from moe_lc.train.main import run_train_cli
 from moe_lc.train.plan import estimate_stage, plan_text
-from moe_lc.train.recipes import available_options, available_recipes, compose_recipe
+from moe_lc.train.recipes import available_options, available_recipes, compose_recipe, recipes_dir
 
 SHIPPED = {"smoke", "proxy-8k", "proxy-64k", "proxy-256k", "proxy-1m", "proxy-curriculum",
            "k3-8k", "k3-64k", "k3-256k", "k3-1m"}
@@ -25,6 +27,21 @@ def test_shipped_recipes_and_groups_exist():
     assert {"smoke", "proxy", "k3"} <= set(available_options("curriculum"))
     assert {"default", "passkey-mix", "custom"} <= set(available_options("data"))
     assert {"single", "dp2", "tp2"} <= set(available_options("layout"))
+
+
+def test_recipes_ship_inside_the_package():
+    """The default lookup is the installed package moe_lc_recipes, and pyproject's package-data
+    globs cover every recipe file, so a wheel install (no source tree) finds them all."""
+    import moe_lc_recipes
+
+    tomllib = pytest.importorskip("tomllib")
+    root = recipes_dir()
+    assert root == Path(moe_lc_recipes.__file__).resolve().parent
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["moe_lc_recipes"]
+    files = [p.relative_to(root).as_posix() for p in root.rglob("*.yaml")]
+    assert len(files) > len(SHIPPED)
+    assert [f for f in files if not any(fnmatch.fnmatch(f, g) and f.count("/") == g.count("/") for g in globs)] == []
 
 
 @pytest.mark.parametrize("recipe", sorted(SHIPPED))

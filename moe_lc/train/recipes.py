@@ -8,6 +8,7 @@ is a Hydra override (`key=value`, `group=option`, `+new.key=value`, `~key`).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Optional, Sequence
@@ -24,8 +25,9 @@ RECIPES_ENV = "MOE_LC_RECIPES"
 
 
 def recipes_dir(override: Optional[str] = None) -> Path:
-    """`override`, else $MOE_LC_RECIPES, else the `recipes/` directory next to the package."""
-    candidates = [override, os.environ.get(RECIPES_ENV), Path(__file__).resolve().parents[2] / "recipes"]
+    """`override`, else $MOE_LC_RECIPES, else the installed recipes (`recipes/` of the source tree,
+    packaged as `moe_lc_recipes` so that a wheel install finds them too)."""
+    candidates = [override, os.environ.get(RECIPES_ENV), _installed_recipes()]
     for c in candidates:
         if c:
             path = Path(c).expanduser().resolve()
@@ -33,6 +35,13 @@ def recipes_dir(override: Optional[str] = None) -> Path:
                 raise ConfigError(f"recipe directory {path} does not exist; point {RECIPES_ENV} or recipes_dir= at one")
             return path
     raise ConfigError("no recipe directory")  # pragma: no cover - the last candidate is always set
+
+
+def _installed_recipes() -> Path:
+    spec = importlib.util.find_spec("moe_lc_recipes")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    return Path(__file__).resolve().parents[2] / "recipes"  # a source tree that is not installed
 
 
 def available_recipes(root: Optional[Path] = None) -> list[str]:
