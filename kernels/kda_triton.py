@@ -60,6 +60,16 @@ def _gate(zv, A_log, dt_bias, h, cols, lower_bound, K: tl.constexpr, GATE_IN_KER
 
 
 @triton.jit
+def _chunk_rows(chunk_bos, chunk_eos, c, BT: tl.constexpr):
+    """First token, end of the sequence, row indices and the valid-row mask of chunk ``c``."""
+    bos = tl.load(chunk_bos + c).to(tl.int64)
+    eos = tl.load(chunk_eos + c).to(tl.int64)
+    rows = tl.arange(0, BT)
+    valid = (bos + rows) < eos
+    return bos, eos, rows, valid
+
+
+@triton.jit
 def _load_chunk(q, k, gz, beta, A_log, dt_bias, bos, eos, h, H, lower_bound,
                 K: tl.constexpr, BT: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
                 HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
@@ -197,10 +207,7 @@ def _prep_blocked_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
     """
     c = tl.program_id(0)
     h = tl.program_id(1)
-    bos = tl.load(chunk_bos + c).to(tl.int64)
-    eos = tl.load(chunk_eos + c).to(tl.int64)
-    rows = tl.arange(0, BT)
-    valid = (bos + rows) < eos
+    bos, eos, rows, valid = _chunk_rows(chunk_bos, chunk_eos, c, BT)
     m2 = valid[:, None]
     if L2NORM:
         rq = _row_norms(q, bos, eos, h, H, K, BK, BT) * scale
@@ -277,10 +284,7 @@ def _wu_kernel(v, beta, x, chunk_bos, chunk_eos, w, u, H,
     """
     c = tl.program_id(0)
     h = tl.program_id(1)
-    bos = tl.load(chunk_bos + c).to(tl.int64)
-    eos = tl.load(chunk_eos + c).to(tl.int64)
-    rows = tl.arange(0, BT)
-    valid = (bos + rows) < eos
+    bos, eos, rows, valid = _chunk_rows(chunk_bos, chunk_eos, c, BT)
     m2 = valid[:, None]
     X = tl.load(x + ((c.to(tl.int64) * H + h) * BT + rows[:, None]) * BT + rows[None, :])
     bv = tl.load(beta + (bos + rows) * H + h, mask=valid, other=0.0).to(tl.float32)
@@ -434,10 +438,7 @@ def _bwd_vside_kernel(v, beta, chunk_bos, chunk_eos, x_in, w, states, dh, ddelta
     h = tl.program_id(1)
     role = tl.program_id(2)
     c64 = c.to(tl.int64)
-    bos = tl.load(chunk_bos + c).to(tl.int64)
-    eos = tl.load(chunk_eos + c).to(tl.int64)
-    rows = tl.arange(0, BT)
-    valid = (bos + rows) < eos
+    bos, eos, rows, valid = _chunk_rows(chunk_bos, chunk_eos, c, BT)
     m2 = valid[:, None]
     ck = tl.arange(0, K)
     cb = tl.arange(0, BT)
@@ -518,10 +519,7 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
     c = tl.program_id(0)
     h = tl.program_id(1)
     c64 = c.to(tl.int64)
-    bos = tl.load(chunk_bos + c).to(tl.int64)
-    eos = tl.load(chunk_eos + c).to(tl.int64)
-    rows = tl.arange(0, BT)
-    valid = (bos + rows) < eos
+    bos, eos, rows, valid = _chunk_rows(chunk_bos, chunk_eos, c, BT)
     m2 = valid[:, None]
     cb = tl.arange(0, BT)
     tok = (bos * H + h) * K  # row 0 of the chunk in [T, H, K] tensors; + rows * H * K + column
