@@ -35,7 +35,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-CHUNK = 64
 TILE = tl.constexpr(16)
 NORM_EPS = tl.constexpr(1e-6)
 
@@ -70,36 +69,6 @@ def _chunk_rows(chunk_bos, chunk_eos, c, BT: tl.constexpr):
 
 
 @triton.jit
-def _load_chunk(q, k, gz, beta, A_log, dt_bias, bos, eos, h, H, lower_bound,
-                K: tl.constexpr, BT: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
-                HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
-    """Normalised q, k, the log-decay g and beta of one chunk (fp32), plus what backward needs."""
-    rows = tl.arange(0, BT)
-    valid = (bos + rows) < eos
-    ck = tl.arange(0, K)
-    offs = ((bos + rows)[:, None] * H + h) * K + ck[None, :]
-    m2 = valid[:, None]
-    qv = tl.load(q + offs, mask=m2, other=0.0).to(tl.float32)
-    kv = tl.load(k + offs, mask=m2, other=0.0).to(tl.float32)
-    if L2NORM:
-        rq = 1.0 / tl.sqrt(tl.sum(qv * qv, axis=1) + NORM_EPS)
-        rk = 1.0 / tl.sqrt(tl.sum(kv * kv, axis=1) + NORM_EPS)
-        qv = qv * rq[:, None]
-        kv = kv * rk[:, None]
-    else:
-        rq = tl.full([BT], 1.0, tl.float32)
-        rk = tl.full([BT], 1.0, tl.float32)
-    zv = tl.load(gz + offs, mask=m2, other=0.0).to(tl.float32)
-    g, s, sig = _gate(zv, A_log, dt_bias, h, ck, lower_bound, K, GATE_IN_KERNEL, HAS_DT_BIAS)
-    g = tl.where(m2, g, 0.0)
-    bv = tl.load(beta + (bos + rows) * H + h, mask=valid, other=0.0).to(tl.float32)
-    if BETA_SIGMOID:
-        bv = tl.sigmoid(bv)
-    bv = tl.where(valid, bv, 0.0)
-    return qv, kv, rq, rk, g, s, sig, bv
-
-
-@triton.jit
 def _tile_start(G, rows, BT: tl.constexpr):
     """rho_b (log-decay at the start of 16-token tile b, b = 1..3) and rho for every row's own tile."""
     r1 = tl.sum(tl.where(rows[:, None] == 15, G, 0.0), axis=0)
@@ -122,27 +91,24 @@ def _in_tile(x, rows, b: tl.constexpr):
 
 
 @triton.jit
+def _add_tile_scores(qs, kv, kn, f, rows, b: tl.constexpr, R, Aqk, DOT_PREC: tl.constexpr):
+    """Key tile b's share: R += (K F_b)(K E in tile b)^T, Aqk += (Q F_b)(K E in tile b)^T."""
+    kn_b = tl.trans(_in_tile(kn, rows, b))
+    R = tl.dot(kv * f, kn_b, R, input_precision=DOT_PREC)
+    Aqk = tl.dot(qs * f, kn_b, Aqk, input_precision=DOT_PREC)
+    return R, Aqk
+
+
+@triton.jit
 def _add_scores(qs, kv, G, rows, R, Aqk, BT: tl.constexpr, DOT_PREC: tl.constexpr):
     """R += (K Gamma)(K/Gamma)^T and Aqk += (Q Gamma)(K/Gamma)^T over some key columns, one matmul
     per key tile (unmasked: the caller masks once after summing every block of columns)."""
     r1, r2, r3, rho_row = _tile_start(G, rows, BT)
     kn = kv * tl.exp(rho_row - G)  # K / Gamma relative to the own tile's start: <= e^(16 |g_min|)
-    f = tl.exp(G)
-    kn_b = tl.trans(_in_tile(kn, rows, 0))
-    R = tl.dot(kv * f, kn_b, R, input_precision=DOT_PREC)
-    Aqk = tl.dot(qs * f, kn_b, Aqk, input_precision=DOT_PREC)
-    f = _from_tile(G, r1, rows, 16)
-    kn_b = tl.trans(_in_tile(kn, rows, 1))
-    R = tl.dot(kv * f, kn_b, R, input_precision=DOT_PREC)
-    Aqk = tl.dot(qs * f, kn_b, Aqk, input_precision=DOT_PREC)
-    f = _from_tile(G, r2, rows, 32)
-    kn_b = tl.trans(_in_tile(kn, rows, 2))
-    R = tl.dot(kv * f, kn_b, R, input_precision=DOT_PREC)
-    Aqk = tl.dot(qs * f, kn_b, Aqk, input_precision=DOT_PREC)
-    f = _from_tile(G, r3, rows, 48)
-    kn_b = tl.trans(_in_tile(kn, rows, 3))
-    R = tl.dot(kv * f, kn_b, R, input_precision=DOT_PREC)
-    Aqk = tl.dot(qs * f, kn_b, Aqk, input_precision=DOT_PREC)
+    R, Aqk = _add_tile_scores(qs, kv, kn, tl.exp(G), rows, 0, R, Aqk, DOT_PREC)
+    R, Aqk = _add_tile_scores(qs, kv, kn, _from_tile(G, r1, rows, 16), rows, 1, R, Aqk, DOT_PREC)
+    R, Aqk = _add_tile_scores(qs, kv, kn, _from_tile(G, r2, rows, 32), rows, 2, R, Aqk, DOT_PREC)
+    R, Aqk = _add_tile_scores(qs, kv, kn, _from_tile(G, r3, rows, 48), rows, 3, R, Aqk, DOT_PREC)
     return R, Aqk
 
 
@@ -164,13 +130,6 @@ def _unit_lower_inverse_tile(N, PREC: tl.constexpr):
 
 
 # ----------------------------------------------------------------------------- forward, parallel part
-@triton.jit
-def _tile_rows(ptr, row0, eos, h, H, W: tl.constexpr, col0, N: tl.constexpr):
-    """Pointers and row mask of rows row0..row0+15, columns col0..col0+N-1 of a [tokens, H, W] tensor."""
-    rows = row0 + tl.arange(0, TILE)
-    return ptr + (rows[:, None] * H + h) * W + col0 + tl.arange(0, N)[None, :], (rows < eos)[:, None]
-
-
 @triton.jit
 def _block(ptr, base, a: tl.constexpr, b: tl.constexpr, BT: tl.constexpr):
     """Pointers to block (a, b) of a [BT, BT] matrix at ``base``."""
