@@ -32,10 +32,12 @@ from torch import Tensor
 
 CHUNK = 64
 # Launch choices (benchmarked in kernels/NOTES.md); MOE_LC_KDA_TUNING="key=value,..." overrides.
+# Backward products: ``score_prec`` for the key-tile score gradients, whose contributions to dG
+# cancel (tf32 there put d dt_bias 2-3e-2 from float64), ``bwd_prec`` for all the others.
 TUNING = dict(prep_warps=8, prep_bk=16, wu_warps=8, state_warps=4, state_stages=2,
-              bwd_states="fp32", intra_prec="tf32x3",
+              bwd_states="fp32", bwd_prec="tf32", score_prec="tf32x3",
               vside_warps=4, vside_bv=64, kside_warps=4, kside_bk=16)
-_TEXT_TUNING = ("bwd_states", "intra_prec")
+_TEXT_TUNING = ("bwd_states", "bwd_prec", "score_prec")
 for _item in filter(None, os.environ.get("MOE_LC_KDA_TUNING", "").split(",")):
     _key, _value = _item.split("=")
     TUNING[_key] = _value if _key in _TEXT_TUNING else int(_value)
@@ -231,11 +233,10 @@ def _bwd_vside(kt, v: Tensor, beta: Tensor, w: Tensor, x: Tensor, states: Tensor
     for name in ("daqk", "dt"):
         scratch[name] = torch.empty(plan.num_chunks, heads, CHUNK, CHUNK, device=dev, dtype=torch.float32)
     scratch["dgc"] = torch.empty(plan.num_chunks, heads, key_dim, device=dev, dtype=torch.float32)
+    args = (v, beta, plan.chunk_bos, plan.chunk_eos, x, w, states, dh, ddelta, do,
+            dv, scratch["dqg"], scratch["dw"], scratch["dkend"], scratch["daqk"], scratch["dt"], scratch["dgc"], heads)
     kt._bwd_vside_kernel[(plan.num_chunks, heads, 2)](
-        v, beta, plan.chunk_bos, plan.chunk_eos, x, w, states, dh, ddelta, do,
-        dv, scratch["dqg"], scratch["dw"], scratch["dkend"], scratch["daqk"], scratch["dt"], scratch["dgc"], heads,
-        K=key_dim, V=value_dim, BV=min(TUNING["vside_bv"], value_dim), num_warps=TUNING["vside_warps"], **meta,
-    )
+        *args, K=key_dim, V=value_dim, BV=min(TUNING["vside_bv"], value_dim), num_warps=TUNING["vside_warps"], **meta)
     return scratch
 
 
@@ -243,12 +244,12 @@ def _bwd_kside(kt, q: Tensor, k: Tensor, gz: Tensor, beta: Tensor, A_log: Tensor
                scratch: dict[str, Tensor], dq: Tensor, dk: Tensor, dgz: Tensor, dbeta: Tensor, dA_part: Tensor,
                ddtb_part: Tensor, plan: _Plan, flags: _Flags, has_dt_bias: bool, meta: dict) -> None:
     """Backward, part 2: dq, dk, dgz, dbeta and the per-chunk A_log/dt_bias partials from the scratch
-    (whose dqg/dkend rows it overwrites)."""
+    (which it overwrites: dA over dT, parked rows over dqg/dkend/dw) and a [T, H] buffer of k norms."""
     heads, key_dim = q.shape[1], q.shape[2]
     kt._bwd_kside_kernel[(plan.num_chunks, heads)](
         q, k, gz, beta, A_log, dt_bias, plan.chunk_bos, plan.chunk_eos, x,
         scratch["dqg"], scratch["dw"], scratch["dkend"], scratch["daqk"], scratch["dt"], scratch["dgc"],
-        dq, dk, dgz, dbeta, dA_part, ddtb_part, flags.scale, flags.lower_bound, heads,
+        torch.empty(q.shape[:2], device=q.device, dtype=torch.float32), dq, dk, dgz, dbeta, dA_part, ddtb_part, flags.scale, flags.lower_bound, heads,
         K=key_dim, BK=min(TUNING["kside_bk"], key_dim), GATE_IN_KERNEL=flags.gate_in_kernel,
         HAS_DT_BIAS=has_dt_bias, L2NORM=flags.l2norm, num_warps=TUNING["kside_warps"], **meta,
     )
@@ -317,14 +318,16 @@ class _ChunkKDAFunction(torch.autograd.Function):
         dA_part = torch.empty(plan.num_chunks, heads, device=q.device, dtype=torch.float32) if gate else gc
         ddtb_part = (torch.empty(plan.num_chunks, heads, key_dim, device=q.device, dtype=torch.float32)
                      if gate and dt_bias is not None else gc)
-        prec = cfg["dot"] if cfg["dot"] == "ieee" else TUNING["intra_prec"]
+        exact = cfg["dot"] == "ieee"
         a_log = A_log if A_log is not None else gc
         dtb = dt_bias if dt_bias is not None else gc
-        flag_meta = dict(BT=CHUNK, BETA_SIGMOID=flags.beta_sigmoid, PREC=prec, num_stages=1)
+        flag_meta = dict(BT=CHUNK, BETA_SIGMOID=flags.beta_sigmoid, PREC="ieee" if exact else TUNING["bwd_prec"],
+                         num_stages=1)
         scratch = _bwd_vside(kt, v, beta, w, x, states, dh, ddelta, do, dv, plan, flag_meta)
         del w, states, dh, ddelta  # the largest buffers; the k-side kernel reads only the scratch
         _bwd_kside(kt, q, k, gz, beta, a_log, dtb, x, scratch, dq, dk, dgz, dbeta, dA_part, ddtb_part,
-                   plan, flags, dt_bias is not None, flag_meta)
+                   plan, flags, dt_bias is not None,
+                   dict(flag_meta, SCORE_PREC="ieee" if exact else TUNING["score_prec"]))
         del scratch
         del x
         dA_log = dA_part.sum(0).to(A_log.dtype) if gate and A_log is not None and ctx.needs_input_grad[5] else None

@@ -113,6 +113,24 @@ def _add_scores(qs, kv, G, rows, R, Aqk, BT: tl.constexpr, DOT_PREC: tl.constexp
 
 
 @triton.jit
+def _tile_keys(kp, zp, rnorm, A_log, dt_bias, h, cols, bos, eos, lower_bound, tok, H: tl.constexpr,
+               K: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr, b: tl.constexpr):
+    """Rows 16b..16b+15 of K / Gamma relative to the tile's start, from a 16-row reload: with
+    e_j = exp(rho_b - G_j) = exp(-sum_{16b <= r <= j} g_r) <= e^(16 |g_min|), returns (k_j e_j, e_j, k_j)
+    ([16, BK] each; k normalised by the row norms in ``rnorm``)."""
+    trow = b * TILE + tl.arange(0, TILE)
+    tvalid = (bos + trow) < eos
+    t2 = tvalid[:, None]
+    offs_t = trow[:, None] * (H * K) + cols[None, :]
+    rk_t = tl.load(rnorm + (bos + trow) * H + h, mask=tvalid, other=0.0)
+    kv_t = tl.load(kp + tok + offs_t, mask=t2, other=0.0).to(tl.float32) * rk_t[:, None]
+    zv_t = tl.load(zp + tok + offs_t, mask=t2, other=0.0).to(tl.float32)
+    g_t, _, _ = _gate(zv_t, A_log, dt_bias, h, cols, lower_bound, K, GATE_IN_KERNEL, HAS_DT_BIAS)
+    e_t = tl.exp(-tl.cumsum(tl.where(t2, g_t, 0.0), axis=0))
+    return kv_t * e_t, e_t, kv_t
+
+
+@triton.jit
 def _unit_lower_inverse_tile(N, PREC: tl.constexpr):
     """(I + N)^-1 of a strictly lower 16x16 tile: N^16 = 0, so it is sum_k (-N)^k =
     (I - N)(I + N^2)(I + N^4)(I + N^8), seven small products and no row-by-row reductions (19%
@@ -191,14 +209,13 @@ def _prep_blocked_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
         tl.store(kg_out + offs, (kv * eG).to(kg_out.dtype.element_ty), mask=m2)
         tl.store(kend_out + offs, (kv * tl.exp(GC[None, :] - G)).to(kend_out.dtype.element_ty), mask=m2)
         tl.store(gc_out + (c.to(tl.int64) * H + h) * K + cols, tl.exp(GC))
-    R = tl.where(rows[:, None] > rows[None, :], R, 0.0)
-    Aqk = tl.where(rows[:, None] >= rows[None, :], Aqk, 0.0)
-    tl.store(aqk_out + ((bos + rows)[:, None] * H + h) * BT + rows[None, :], Aqk.to(aqk_out.dtype.element_ty),
-             mask=m2)
     bv = tl.load(beta + (bos + rows) * H + h, mask=valid, other=0.0).to(tl.float32)
     if BETA_SIGMOID:
         bv = tl.sigmoid(bv)
     xbase = (c.to(tl.int64) * H + h) * BT * BT
+    R = tl.where(rows[:, None] > rows[None, :], R, 0.0)
+    Aqk = tl.where(rows[:, None] >= rows[None, :], Aqk, 0.0)
+    tl.store(aqk_out + ((bos + rows)[:, None] * H + h) * BT + rows[None, :], Aqk.to(aqk_out.dtype.element_ty), mask=m2)
     tl.store(x_out + xbase + rows[:, None] * BT + rows[None, :], R * tl.where(valid, bv, 0.0)[:, None])
     tl.debug_barrier()  # A is read back below in 16x16 blocks by other threads of this program
 
@@ -361,17 +378,39 @@ def _state_bwd_kernel(qg, w, kend, aqk, gc, do, dh, ddelta, seg_init, seg_start_
 
 
 @triton.jit
-def _score_grads_tile(dA, dAqk, bv, kv, qs, kn, f, pk, pq, dkn, db, rows, b: tl.constexpr, PREC: tl.constexpr):
-    """Backward of one key tile b of R and Aqk (see _bwd_kside_kernel)."""
-    kn_b = _in_tile(kn, rows, b)
-    u = tl.dot(dA, kn_b, input_precision=PREC)
+def _score_grads_tile(dA_t, dAqk_t, kf, qf, f, bv, kv, kp, zp, rnorm, A_log, dt_bias, h, cols, bos, eos, lower_bound,
+                      tok, pk, pq, db, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                      GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr, b: tl.constexpr, PREC: tl.constexpr):
+    """Backward of key tile b of R and Aqk (see _bwd_kside_kernel), contracting over the tile's 16 keys only.
+
+    ``dA_t`` / ``dAqk_t`` point at the [64, 64] score gradients; their columns of tile b are loaded as
+    [64, 16] slabs (and transposed as [16, 64]), and the tile's own rows of K / Gamma come from
+    _tile_keys.
+    Returns the [16, BK] gradient of those K / Gamma rows times their own decay factor, for the caller to
+    place in rows 16b..16b+15.
+    """
+    cb = tl.arange(0, BT)
+    trow = b * TILE + tl.arange(0, TILE)
+    kn_t, e_t, _ = _tile_keys(kp, zp, rnorm, A_log, dt_bias, h, cols, bos, eos, lower_bound, tok, H, K,
+                              GATE_IN_KERNEL, HAS_DT_BIAS, b)
+    dA_b = tl.load(dA_t + cb[:, None] * BT + trow[None, :])  # [64, 16]: columns of tile b
+    dAqk_b = tl.load(dAqk_t + cb[:, None] * BT + trow[None, :])
+    u = tl.dot(dA_b, kn_t, input_precision=PREC)
     db += tl.sum(kv * f * u, axis=1)
     pk += u * f * bv[:, None]
-    pq += tl.dot(dAqk, kn_b, input_precision=PREC) * f
-    kf = kv * f * bv[:, None]  # dR^T (K F_b) = dA^T (Diag(b) K F_b)
-    dkn += _in_tile(tl.dot(tl.trans(dA), kf, input_precision=PREC)
-                    + tl.dot(tl.trans(dAqk), qs * f, input_precision=PREC), rows, b)
-    return pk, pq, dkn, db
+    pq += tl.dot(dAqk_b, kn_t, input_precision=PREC) * f
+    dA_bt = tl.load(dA_t + cb[None, :] * BT + trow[:, None])  # [16, 64]: the same slabs transposed
+    dAqk_bt = tl.load(dAqk_t + cb[None, :] * BT + trow[:, None])
+    dkn_t = tl.dot(dA_bt, kf * f, input_precision=PREC) + tl.dot(dAqk_bt, qf * f, input_precision=PREC)
+    return pk, pq, db, dkn_t * e_t
+
+
+@triton.jit
+def _park_rows(ptr, tok, trow_start: tl.constexpr, cols, bos, eos, x, H: tl.constexpr, K: tl.constexpr):
+    """Store a [16, BK] tile into rows trow_start.. of a [T, H, K] scratch (valid rows only)."""
+    trow = trow_start + tl.arange(0, TILE)
+    tvalid = (bos + trow) < eos
+    tl.store(ptr + tok + trow[:, None] * (H * K) + cols[None, :], x, mask=tvalid[:, None])
 
 
 # ----------------------------------------------------------------------------- backward, parallel part
@@ -461,19 +500,20 @@ def _cols_kg(kp, zp, A_log, dt_bias, offs, m2, h, lower_bound, rk, cols, K: tl.c
 
 @triton.jit
 def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in,
-                      dqg_in, dw_in, dkend_in, daqk_in, dt_in, dgc_in,
+                      dqg_in, dw_in, dkend_in, daqk_in, dt_in, dgc_in, rnorm,
                       dq, dk, dgz, dbeta, dA_part, ddtb_part,
                       scale, lower_bound, H: tl.constexpr,
                       K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                       GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
-                      BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr):
+                      BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr, SCORE_PREC: tl.constexpr):
     """The key-side gradients from _bwd_vside_kernel's scratch, key columns in blocks of BK.
 
     Everything is separable over key columns except four row sums, which accumulate over the
     blocks: dT += dW (Gamma K)^T (pass 1, before the UT backward), d b from the score tiles, and
     the two L2-norm row products sum(dq * q), sum(dk * k). So: pass 0 row norms, pass 1 dT, then
-    dX and dA on [64, 64], pass 2 every column gradient (unnormalised dq, dk parked in the dQg /
-    dKend scratch rows this program just read), pass 3 the L2-norm backward.
+    dX and dA on [64, 64] (parked in the used-up dT scratch: the score tiles read 16-column slabs
+    of it), pass 2 every column gradient (unnormalised dq, dk parked in the dQg / dKend scratch rows
+    this program just read), pass 3 the L2-norm backward.
     """
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -484,7 +524,7 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
     tok = (bos * H + h) * K  # row 0 of the chunk in [T, H, K] tensors; + rows * H * K + column
     sq = (c64 * H + h) * BT * BT
 
-    # Pass 0: the L2-norm reciprocals of q and k rows.
+    # Pass 0: the L2-norm reciprocals of q and k rows (k's also to ``rnorm`` for the 16-row reloads).
     if L2NORM:
         ssq = tl.zeros([BT], dtype=tl.float32)
         ssk = tl.zeros([BT], dtype=tl.float32)
@@ -499,6 +539,7 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
     else:
         rq = tl.full([BT], 1.0, tl.float32)
         rk = tl.full([BT], 1.0, tl.float32)
+    tl.store(rnorm + (bos + rows) * H + h, rk, mask=valid)
     bv = tl.load(beta + bos * H + h + rows * H, mask=valid, other=0.0).to(tl.float32)
     if BETA_SIGMOID:
         bv = tl.sigmoid(bv)
@@ -517,13 +558,17 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
     db = tl.sum(dT * X, axis=0)  # over rows i: d b_j from T = X Diag(b)
     dA = -tl.dot(tl.dot(tl.trans(X), dT * bv[None, :], input_precision=PREC), tl.trans(X), input_precision=PREC)
     dA = tl.where(rows[:, None] > cb[None, :], dA, 0.0)
-    dAqk = tl.load(daqk_in + sq + rows[:, None] * BT + cb[None, :])
+    tl.debug_barrier()  # every thread has read dT before dA overwrites it
+    tl.store(dt_in + sq + rows[:, None] * BT + cb[None, :], dA)
+    tl.debug_barrier()  # dA and the k norms are read back in slabs by other threads
 
     # Pass 2: per column block, the score gradients (_score_grads_tile), dkg = T^T dW, the
     # gate/cumsum backward; unnormalised dq/dk, and the two row products of the L2-norm backward.
     rowq = tl.zeros([BT], dtype=tl.float32)
     rowk = tl.zeros([BT], dtype=tl.float32)
     dA_sum = tl.zeros([BT], dtype=tl.float32)
+    dA_t = dt_in + sq
+    dAqk_t = daqk_in + sq
     for kb in tl.static_range(0, K // BK):
         cols = kb * BK + tl.arange(0, BK)
         offs = rows[:, None] * (H * K) + cols[None, :]
@@ -533,27 +578,39 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
         qs = qv * scale
         eG = tl.exp(G)
         r1, r2, r3, rho_row = _tile_start(G, rows, BT)
-        E = tl.exp(rho_row - G)
-        kn = kv * E
+        kf = kv * bv[:, None]
         pk = tl.zeros([BT, BK], dtype=tl.float32)
         pq = tl.zeros([BT, BK], dtype=tl.float32)
-        dkn = tl.zeros([BT, BK], dtype=tl.float32)
-        pk, pq, dkn, db = _score_grads_tile(dA, dAqk, bv, kv, qs, kn, eG, pk, pq, dkn, db, rows, 0, PREC)
-        pk, pq, dkn, db = _score_grads_tile(dA, dAqk, bv, kv, qs, kn, _from_tile(G, r1, rows, 16), pk, pq, dkn, db,
-                                            rows, 1, PREC)
-        pk, pq, dkn, db = _score_grads_tile(dA, dAqk, bv, kv, qs, kn, _from_tile(G, r2, rows, 32), pk, pq, dkn, db,
-                                            rows, 2, PREC)
-        pk, pq, dkn, db = _score_grads_tile(dA, dAqk, bv, kv, qs, kn, _from_tile(G, r3, rows, 48), pk, pq, dkn, db,
-                                            rows, 3, PREC)
+        pk, pq, db, t0 = _score_grads_tile(dA_t, dAqk_t, kf, qs, eG, bv, kv, k, gz, rnorm, A_log, dt_bias, h, cols,
+                                           bos, eos, lower_bound, tok, pk, pq, db, H, K, BT, GATE_IN_KERNEL,
+                                           HAS_DT_BIAS, 0, SCORE_PREC)
+        pk, pq, db, t1 = _score_grads_tile(dA_t, dAqk_t, kf, qs, _from_tile(G, r1, rows, 16), bv, kv, k, gz, rnorm,
+                                           A_log, dt_bias, h, cols, bos, eos, lower_bound, tok, pk, pq, db, H, K, BT,
+                                           GATE_IN_KERNEL, HAS_DT_BIAS, 1, SCORE_PREC)
+        pk, pq, db, t2 = _score_grads_tile(dA_t, dAqk_t, kf, qs, _from_tile(G, r2, rows, 32), bv, kv, k, gz, rnorm,
+                                           A_log, dt_bias, h, cols, bos, eos, lower_bound, tok, pk, pq, db, H, K, BT,
+                                           GATE_IN_KERNEL, HAS_DT_BIAS, 2, SCORE_PREC)
+        pk, pq, db, t3 = _score_grads_tile(dA_t, dAqk_t, kf, qs, _from_tile(G, r3, rows, 48), bv, kv, k, gz, rnorm,
+                                           A_log, dt_bias, h, cols, bos, eos, lower_bound, tok, pk, pq, db, H, K, BT,
+                                           GATE_IN_KERNEL, HAS_DT_BIAS, 3, SCORE_PREC)
         T = tl.load(x_in + sq + rows[:, None] * BT + cb[None, :]) * bv[None, :]
         dkg = tl.dot(tl.trans(T), tl.load(dw_in + tok + offs, mask=m2, other=0.0), input_precision=PREC)
+        # The four 16-row tiles of d(K / Gamma) / Gamma back into one [64, BK] block, through this
+        # block of the dW scratch (read for the last time just above).
+        tl.debug_barrier()
+        _park_rows(dw_in, tok, 0, cols, bos, eos, t0, H, K)
+        _park_rows(dw_in, tok, 16, cols, bos, eos, t1, H, K)
+        _park_rows(dw_in, tok, 32, cols, bos, eos, t2, H, K)
+        _park_rows(dw_in, tok, 48, cols, bos, eos, t3, H, K)
         dqg = tl.load(dqg_in + tok + offs, mask=m2, other=0.0)
         dke = tl.load(dkend_in + tok + offs, mask=m2, other=0.0)
         GC = tl.sum(g, axis=0)
         kend_f = tl.exp(GC[None, :] - G)
-        dkk = pk + dkn * E + dkg * eG + dke * kend_f
+        tl.debug_barrier()  # the parked tiles are read back by other threads
+        dknE = tl.load(dw_in + tok + offs, mask=m2, other=0.0)
+        dkk = pk + dknE + dkg * eG + dke * kend_f
         dqn = (pq + dqg * eG) * scale
-        dG = (pk * kv + pq * qs - dkn * kn + dkg * kv * eG + dqg * qs * eG - dke * kv * kend_f)
+        dG = (pk * kv + pq * qs - dknE * kv + dkg * kv * eG + dqg * qs * eG - dke * kv * kend_f)
         dGC = tl.sum(dke * kv * kend_f, axis=0) + tl.load(dgc_in + (c64 * H + h) * K + cols) * tl.exp(GC)
         dg = tl.cumsum(dG, axis=0, reverse=True) + dGC[None, :]
         if GATE_IN_KERNEL:

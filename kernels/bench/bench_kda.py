@@ -262,6 +262,7 @@ def bench_shape(name, impls, bandwidth, flops, device, with_torch):
         else:
             fb_ms = time_fn(run)
         result[label] = {"fwd_ms": fwd_ms, "fwdbwd_ms": fb_ms}
+        print(f"bench {name} {label}: fwd {fwd_ms:.2f} ms, fwd+bwd {fb_ms:.2f} ms", flush=True)  # before a timeout
         torch.cuda.empty_cache()
     for kind, backward in (("fwd_ms", False), ("fwdbwd_ms", True)):
         fl, bound = floor_ms(batch, seq_len, heads, dim, backward, bandwidth, flops)
@@ -280,7 +281,7 @@ def main(argv=None):
     parser.add_argument("--fuzz", type=int, default=12)
     parser.add_argument("--seg-sweep", action="store_true", help="time segment lengths at the long shapes")
     parser.add_argument("--variants", default="", help="';'-separated TUNING overrides to time, e.g. "
-                        "'intra_prec=tf32;prep_warps=4,prep_bk=32'")
+                        "'bwd_prec=tf32x3;prep_warps=4,prep_bk=32'")
     parser.add_argument("--seg-shapes", default="B1_T64K")
     parser.add_argument("--fla-fuzz", type=int, default=0, help="fuzz cases also checked with fla (fla re-autotunes for "
                         "every new head count / dim: minutes each on a fresh machine)")
@@ -318,7 +319,7 @@ def main(argv=None):
     impls = {"ours": ours, "fla": fla_fn(), "torch": lambda x, cu: reference(x, cu, None, torch.float32)}
     results = []
     for name in args.shapes.split(","):
-        if not name:
+        if not name or not in_budget(f"timing {name}"):
             continue
         try:
             r = bench_shape(name, impls, bandwidth, flops, device, not args.no_torch)
