@@ -38,9 +38,20 @@ TUNING = dict(prep_warps=8, prep_bk=16, wu_warps=8, state_warps=4, state_stages=
               bwd_states="fp32", bwd_prec="tf32", score_prec="tf32x3",
               vside_warps=4, vside_bv=64, kside_warps=4, kside_bk=16)
 _TEXT_TUNING = ("bwd_states", "bwd_prec", "score_prec")
-for _item in filter(None, os.environ.get("MOE_LC_KDA_TUNING", "").split(",")):
-    _key, _value = _item.split("=")
-    TUNING[_key] = _value if _key in _TEXT_TUNING else int(_value)
+
+
+def parse_tuning(text: str) -> dict:
+    """``"key=value,..."`` as TUNING entries; unknown keys and malformed items are errors."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in TUNING:
+            raise ValueError(f"KDA tuning item {item!r}: expected key=value with key one of {sorted(TUNING)}")
+        out[key] = value if key in _TEXT_TUNING else int(value)
+    return out
+
+
+TUNING.update(parse_tuning(os.environ.get("MOE_LC_KDA_TUNING", "")))
 GATE_SPAN_LIMIT = 5.5  # |g| per step above which exp(16 |g|) could overflow fp32/bf16 in a tile
 
 

@@ -513,7 +513,9 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
     the two L2-norm row products sum(dq * q), sum(dk * k). So: pass 0 row norms, pass 1 dT, then
     dX and dA on [64, 64] (parked in the used-up dT scratch: the score tiles read 16-column slabs
     of it), pass 2 every column gradient (unnormalised dq, dk parked in the dQg / dKend scratch rows
-    this program just read), pass 3 the L2-norm backward.
+    this program just read), pass 3 the L2-norm backward. The key-tile score products run at
+    SCORE_PREC (tf32x3 for bf16 inputs): their row and column terms of dG cancel, and tf32 there
+    put d dt_bias 2-3e-2 from float64; every other product runs at PREC.
     """
     c = tl.program_id(0)
     h = tl.program_id(1)

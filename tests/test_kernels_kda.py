@@ -223,6 +223,11 @@ def test_clear_errors():
     g = kda_gate(torch.full((1, 20, 1, 16), 5.0), torch.full((1,), 3.0), lower_bound=None)  # softplus: unbounded
     with pytest.raises(ValueError, match="bounded gate"):
         chunk_kda_triton(x["q"], x["k"], x["v"], g.to(DEVICE), torch.sigmoid(x["beta"]))
+    from moe_lc_kernels.kda import parse_tuning
+
+    assert parse_tuning("bwd_prec=tf32x3,kside_warps=8") == {"bwd_prec": "tf32x3", "kside_warps": 8}
+    with pytest.raises(ValueError, match="score_prec"):  # the message lists the known keys
+        parse_tuning("intra_prec=tf32")
 
 
 def test_import_needs_neither_gpu_nor_triton():

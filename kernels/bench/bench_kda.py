@@ -415,8 +415,7 @@ def tuning_overrides(text: str) -> dict:
     """'key=value,...' as TUNING entries (text keys stay strings, the rest are ints)."""
     from moe_lc_kernels import kda as kda_mod
 
-    pairs = (item.split("=") for item in filter(None, text.split(",")))
-    return {k: (v if k in kda_mod._TEXT_TUNING else int(v)) for k, v in pairs}
+    return kda_mod.parse_tuning(text)
 
 
 def save(out_dir: str, report: dict) -> None:
