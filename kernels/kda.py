@@ -36,7 +36,7 @@ CHUNK = 64
 # cancel (tf32 there put d dt_bias 2-3e-2 from float64), ``bwd_prec`` for all the others.
 TUNING = dict(prep_warps=8, prep_bk=16, wu_warps=8, state_warps=4, state_stages=2,
               bwd_states="fp32", bwd_prec="tf32", score_prec="tf32x3",
-              vside_warps=4, vside_bv=64, kside_warps=4, kside_bk=16)
+              vside_warps=4, vside_bv=64, kside_warps=4, kside_bk=16, kside_unroll=1)
 _TEXT_TUNING = ("bwd_states", "bwd_prec", "score_prec")
 
 
@@ -262,7 +262,8 @@ def _bwd_kside(kt, q: Tensor, k: Tensor, gz: Tensor, beta: Tensor, A_log: Tensor
         scratch["dqg"], scratch["dw"], scratch["dkend"], scratch["daqk"], scratch["dt"], scratch["dgc"],
         torch.empty(q.shape[:2], device=q.device, dtype=torch.float32), dq, dk, dgz, dbeta, dA_part, ddtb_part, flags.scale, flags.lower_bound, heads,
         K=key_dim, BK=min(TUNING["kside_bk"], key_dim), GATE_IN_KERNEL=flags.gate_in_kernel,
-        HAS_DT_BIAS=has_dt_bias, L2NORM=flags.l2norm, num_warps=TUNING["kside_warps"], **meta,
+        HAS_DT_BIAS=has_dt_bias, L2NORM=flags.l2norm, UNROLL=TUNING["kside_unroll"], num_warps=TUNING["kside_warps"],
+        **meta,
     )
 
 

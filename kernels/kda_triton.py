@@ -505,7 +505,8 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
                       scale, lower_bound, H: tl.constexpr,
                       K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                       GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
-                      BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr, SCORE_PREC: tl.constexpr):
+                      BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr, SCORE_PREC: tl.constexpr,
+                      UNROLL: tl.constexpr):
     """The key-side gradients from _bwd_vside_kernel's scratch, key columns in blocks of BK.
 
     Everything is separable over key columns except four row sums, which accumulate over the
@@ -515,7 +516,8 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
     of it), pass 2 every column gradient (unnormalised dq, dk parked in the dQg / dKend scratch rows
     this program just read), pass 3 the L2-norm backward. The key-tile score products run at
     SCORE_PREC (tf32x3 for bf16 inputs): their row and column terms of dG cancel, and tf32 there
-    put d dt_bias 2-3e-2 from float64; every other product runs at PREC.
+    put d dt_bias 2-3e-2 from float64; every other product runs at PREC. The key-block loops are
+    compiled as loops (UNROLL = 1; full unrolling took 224 s to compile for sm_90 instead of 8 s).
     """
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -530,7 +532,7 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
     if L2NORM:
         ssq = tl.zeros([BT], dtype=tl.float32)
         ssk = tl.zeros([BT], dtype=tl.float32)
-        for kb in tl.static_range(0, K // BK):
+        for kb in tl.range(0, K // BK, loop_unroll_factor=UNROLL):
             offs = rows[:, None] * (H * K) + (kb * BK + tl.arange(0, BK))[None, :]
             qx = tl.load(q + tok + offs, mask=m2, other=0.0).to(tl.float32)
             kx = tl.load(k + tok + offs, mask=m2, other=0.0).to(tl.float32)
@@ -549,7 +551,7 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
 
     # Pass 1: dT += dW (Gamma K)^T, then the UT backward: T = X Diag(b), X = (I + Diag(b) R)^-1.
     dT = tl.load(dt_in + sq + rows[:, None] * BT + cb[None, :])
-    for kb in tl.static_range(0, K // BK):
+    for kb in tl.range(0, K // BK, loop_unroll_factor=UNROLL):
         cols = kb * BK + tl.arange(0, BK)
         offs = rows[:, None] * (H * K) + cols[None, :]
         kv, g, G = _cols_kg(k + tok, gz + tok, A_log, dt_bias, offs, m2, h, lower_bound, rk, cols, K,
@@ -571,7 +573,7 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
     dA_sum = tl.zeros([BT], dtype=tl.float32)
     dA_t = dt_in + sq
     dAqk_t = daqk_in + sq
-    for kb in tl.static_range(0, K // BK):
+    for kb in tl.range(0, K // BK, loop_unroll_factor=UNROLL):
         cols = kb * BK + tl.arange(0, BK)
         offs = rows[:, None] * (H * K) + cols[None, :]
         kv, g, G = _cols_kg(k + tok, gz + tok, A_log, dt_bias, offs, m2, h, lower_bound, rk, cols, K,
@@ -642,7 +644,7 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
     # Pass 3: L2-norm backward, d x = (d xn - xn sum(d xn * xn)) / |x|, from the parked rows.
     if L2NORM:
         tl.debug_barrier()
-        for kb in tl.static_range(0, K // BK):
+        for kb in tl.range(0, K // BK, loop_unroll_factor=UNROLL):
             offs = rows[:, None] * (H * K) + (kb * BK + tl.arange(0, BK))[None, :]
             qv = tl.load(q + tok + offs, mask=m2, other=0.0).to(tl.float32) * rq[:, None]
             kv = tl.load(k + tok + offs, mask=m2, other=0.0).to(tl.float32) * rk[:, None]

@@ -249,9 +249,12 @@ def bench_shape(name, impls, bandwidth, flops, device, with_torch):
     for label, fn in impls.items():
         if fn is None or (label == "torch" and not with_torch):
             continue
+        started = time.time()
+        print(f"bench {name} {label}: timing (first calls compile)", flush=True)
         if label != "torch":
             with torch.no_grad():
                 fwd_ms = time_fn(lambda: fn(x, cu))
+            print(f"bench {name} {label}: forward timed after {time.time() - started:.0f} s", flush=True)
         o, _ = fn(x, cu)
         run = fwd_bwd(fn, x, cu)
         run.do = torch.randn_like(o)
@@ -262,7 +265,8 @@ def bench_shape(name, impls, bandwidth, flops, device, with_torch):
         else:
             fb_ms = time_fn(run)
         result[label] = {"fwd_ms": fwd_ms, "fwdbwd_ms": fb_ms}
-        print(f"bench {name} {label}: fwd {fwd_ms:.2f} ms, fwd+bwd {fb_ms:.2f} ms", flush=True)  # before a timeout
+        print(f"bench {name} {label}: fwd {fwd_ms:.2f} ms, fwd+bwd {fb_ms:.2f} ms [{time.time() - started:.0f} s]",
+              flush=True)  # before a timeout (two device calls printed no table row within 270 s)
         torch.cuda.empty_cache()
     for kind, backward in (("fwd_ms", False), ("fwdbwd_ms", True)):
         fl, bound = floor_ms(batch, seq_len, heads, dim, backward, bandwidth, flops)

@@ -1,0 +1,117 @@
+"""Compile every KDA kernel for an H100/H200 (sm_90) on any machine, no GPU needed, and report
+compile seconds, registers, stack frame (spills) and shared memory per kernel.
+
+    python kernels/bench/compile_report.py [--kernels kside,vside] [--tuning 'kside_unroll=8']
+
+Launch choices come from ``moe_lc_kernels.kda.TUNING`` (plus ``--tuning``), with the shapes of the
+benchmarks: bf16 inputs, H=16, K=V=128, gate/norm/beta inside the kernels. Pointer arguments are
+declared 16-byte aligned, as the JIT does for torch tensors (without that every load is scalar and
+the stack numbers come out 1.5-3x too large). Uses Triton's bundled cuobjdump; what costs no device
+time should not be measured on the device (kernels/NOTES.md: one kernel took 224 s to compile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moe_lc_kernels import kda as kda_mod
+from moe_lc_kernels import kda_triton as kt
+
+INDEX_TABLES = {"chunk_bos", "chunk_eos", "seg_chunk0", "seg_nchunks", "seg_bos", "seg_eos"}
+FLOAT_SCALARS = {"scale", "lower_bound"}
+
+
+def launches(tuning: dict) -> dict:
+    """kernel -> (function, constexprs, fp32 pointer arguments, num_warps, num_stages), as kernels/kda.py launches them."""
+    flags = dict(GATE_IN_KERNEL=True, HAS_DT_BIAS=True, L2NORM=True, BETA_SIGMOID=True)
+    dims = dict(K=128, BT=64)
+    params = {"A_log", "dt_bias"}
+    states = {"states", "dh", "ddelta"} if tuning["bwd_states"] == "fp32" else set()
+    return {
+        "prep": (kt._prep_blocked_kernel, dict(dims, BK=tuning["prep_bk"], DOT_PREC="tf32", INV_PREC="ieee", **flags),
+                 params | {"gc_out", "x_out"}, tuning["prep_warps"], 1),
+        "wu": (kt._wu_kernel, dict(dims, V=128, BC=64, BETA_SIGMOID=True, DOT_PREC="tf32"), {"x"},
+               tuning["wu_warps"], 2),
+        "state_fwd": (kt._state_fwd_kernel, dict(dims, V=128, BV=64, V_END=128, HAS_INIT=True, TRANSITION=False,
+                                                 STORE_OUTPUT=True, STORE_STATES=False, DOT_PREC="tf32"),
+                      {"gc", "states", "seg_init", "seg_end"}, tuning["state_warps"], tuning["state_stages"]),
+        "state_bwd": (kt._state_bwd_kernel, dict(dims, V=128, BV=64, HAS_INIT=True, STORE=True, DOT_PREC="tf32"),
+                      {"gc", "seg_init", "seg_start_grad"} | states, tuning["state_warps"], tuning["state_stages"]),
+        "vside": (kt._bwd_vside_kernel, dict(dims, H=16, V=128, BV=tuning["vside_bv"], BETA_SIGMOID=True,
+                                             PREC=tuning["bwd_prec"]),
+                  {"x_in", "dqg_out", "dw_out", "dkend_out", "daqk_out", "dt_out", "dgc_out"} | states,
+                  tuning["vside_warps"], 1),
+        "kside": (kt._bwd_kside_kernel, dict(dims, H=16, BK=tuning["kside_bk"], PREC=tuning["bwd_prec"],
+                                             SCORE_PREC=tuning["score_prec"], UNROLL=tuning["kside_unroll"], **flags),
+                  params | {"x_in", "dqg_in", "dw_in", "dkend_in", "daqk_in", "dt_in", "dgc_in", "rnorm", "dA_part",
+                            "ddtb_part"}, tuning["kside_warps"], 1),
+    }
+
+
+def signature(fn, constexprs: dict, fp32: set) -> dict:
+    def kind(name: str) -> str:
+        if name in constexprs:
+            return "constexpr"
+        if name in FLOAT_SCALARS:
+            return "fp32"
+        if name == "H":
+            return "i32"
+        if name in INDEX_TABLES:
+            return "*i32"
+        return "*fp32" if name in fp32 else "*bf16"
+
+    return {name: kind(name) for name in fn.arg_names}
+
+
+def compile_one(fn, constexprs: dict, fp32: set, warps: int, stages: int) -> dict:
+    sig = signature(fn, constexprs, fp32)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if sig[name].startswith("*")}
+    start = time.time()
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=aligned),
+                              target=GPUTarget("cuda", 90, 128), options=dict(num_warps=warps, num_stages=stages))
+    seconds = time.time() - start
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    match = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return dict(seconds=seconds, regs=int(match.group(1)), stack=int(match.group(2)),
+                shared_kb=compiled.metadata.shared / 1024, warps=warps)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kernels", default="prep,wu,state_fwd,state_bwd,vside,kside")
+    p.add_argument("--tuning", default="", help="TUNING overrides, 'key=value,...'")
+    p.add_argument("--json", action="store_true", help="one JSON object per kernel instead of the table")
+    args = p.parse_args(argv)
+    tuning = {**kda_mod.TUNING, **kda_mod.parse_tuning(args.tuning)}
+    table = launches(tuning)
+    if not args.json:
+        print(f"sm_90, Triton {triton.__version__}, tuning overrides: {args.tuning or 'none'}")
+        print("| kernel | warps | compile s | regs | stack B | shared KB |\n|---|---|---|---|---|---|")
+    for name in args.kernels.split(","):
+        fn, constexprs, fp32, warps, stages = table[name]
+        r = compile_one(fn, constexprs, fp32, warps, stages)
+        if args.json:
+            print(json.dumps(dict(kernel=name, **r)), flush=True)
+        else:
+            print(f"| {name} | {r['warps']} | {r['seconds']:.1f} | {r['regs']} | {r['stack']} | {r['shared_kb']:.1f} |",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
