@@ -260,7 +260,8 @@ def _bwd_kside(kt, q: Tensor, k: Tensor, gz: Tensor, beta: Tensor, A_log: Tensor
     kt._bwd_kside_kernel[(plan.num_chunks, heads)](
         q, k, gz, beta, A_log, dt_bias, plan.chunk_bos, plan.chunk_eos, x,
         scratch["dqg"], scratch["dw"], scratch["dkend"], scratch["daqk"], scratch["dt"], scratch["dgc"],
-        torch.empty(q.shape[:2], device=q.device, dtype=torch.float32), dq, dk, dgz, dbeta, dA_part, ddtb_part, flags.scale, flags.lower_bound, heads,
+        torch.empty(q.shape[:2], device=q.device, dtype=torch.float32),  # k row norms, for 16-row reloads
+        dq, dk, dgz, dbeta, dA_part, ddtb_part, flags.scale, flags.lower_bound, heads,
         K=key_dim, BK=min(TUNING["kside_bk"], key_dim), GATE_IN_KERNEL=flags.gate_in_kernel,
         HAS_DT_BIAS=has_dt_bias, L2NORM=flags.l2norm, UNROLL=TUNING["kside_unroll"], num_warps=TUNING["kside_warps"],
         **meta,

@@ -116,7 +116,7 @@ def _add_scores(qs, kv, G, rows, R, Aqk, BT: tl.constexpr, DOT_PREC: tl.constexp
 def _tile_keys(kp, zp, rnorm, A_log, dt_bias, h, cols, bos, eos, lower_bound, tok, H: tl.constexpr,
                K: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr, b: tl.constexpr):
     """Rows 16b..16b+15 of K / Gamma relative to the tile's start, from a 16-row reload: with
-    e_j = exp(rho_b - G_j) = exp(-sum_{16b <= r <= j} g_r) <= e^(16 |g_min|), returns (k_j e_j, e_j, k_j)
+    e_j = exp(rho_b - G_j) = exp(-sum_{16b <= r <= j} g_r) <= e^(16 |g_min|), returns (k_j e_j, e_j)
     ([16, BK] each; k normalised by the row norms in ``rnorm``)."""
     trow = b * TILE + tl.arange(0, TILE)
     tvalid = (bos + trow) < eos
@@ -127,7 +127,7 @@ def _tile_keys(kp, zp, rnorm, A_log, dt_bias, h, cols, bos, eos, lower_bound, to
     zv_t = tl.load(zp + tok + offs_t, mask=t2, other=0.0).to(tl.float32)
     g_t, _, _ = _gate(zv_t, A_log, dt_bias, h, cols, lower_bound, K, GATE_IN_KERNEL, HAS_DT_BIAS)
     e_t = tl.exp(-tl.cumsum(tl.where(t2, g_t, 0.0), axis=0))
-    return kv_t * e_t, e_t, kv_t
+    return kv_t * e_t, e_t
 
 
 @triton.jit
@@ -391,8 +391,8 @@ def _score_grads_tile(dA_t, dAqk_t, kf, qf, f, bv, kv, kp, zp, rnorm, A_log, dt_
     """
     cb = tl.arange(0, BT)
     trow = b * TILE + tl.arange(0, TILE)
-    kn_t, e_t, _ = _tile_keys(kp, zp, rnorm, A_log, dt_bias, h, cols, bos, eos, lower_bound, tok, H, K,
-                              GATE_IN_KERNEL, HAS_DT_BIAS, b)
+    kn_t, e_t = _tile_keys(kp, zp, rnorm, A_log, dt_bias, h, cols, bos, eos, lower_bound, tok, H, K,
+                           GATE_IN_KERNEL, HAS_DT_BIAS, b)
     dA_b = tl.load(dA_t + cb[:, None] * BT + trow[None, :])  # [64, 16]: columns of tile b
     dAqk_b = tl.load(dAqk_t + cb[:, None] * BT + trow[None, :])
     u = tl.dot(dA_b, kn_t, input_precision=PREC)
@@ -530,16 +530,8 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
 
     # Pass 0: the L2-norm reciprocals of q and k rows (k's also to ``rnorm`` for the 16-row reloads).
     if L2NORM:
-        ssq = tl.zeros([BT], dtype=tl.float32)
-        ssk = tl.zeros([BT], dtype=tl.float32)
-        for kb in tl.range(0, K // BK, loop_unroll_factor=UNROLL):
-            offs = rows[:, None] * (H * K) + (kb * BK + tl.arange(0, BK))[None, :]
-            qx = tl.load(q + tok + offs, mask=m2, other=0.0).to(tl.float32)
-            kx = tl.load(k + tok + offs, mask=m2, other=0.0).to(tl.float32)
-            ssq += tl.sum(qx * qx, axis=1)
-            ssk += tl.sum(kx * kx, axis=1)
-        rq = 1.0 / tl.sqrt(ssq + NORM_EPS)
-        rk = 1.0 / tl.sqrt(ssk + NORM_EPS)
+        rq = _row_norms(q, bos, eos, h, H, K, BK, BT)
+        rk = _row_norms(k, bos, eos, h, H, K, BK, BT)
     else:
         rq = tl.full([BT], 1.0, tl.float32)
         rk = tl.full([BT], 1.0, tl.float32)

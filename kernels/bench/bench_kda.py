@@ -359,7 +359,7 @@ def main(argv=None):
             from moe_lc_kernels import kda as kda_mod
 
             base = dict(kda_mod.TUNING)
-            kda_mod.TUNING.update(tuning_overrides(args.fuzz_variant))
+            kda_mod.TUNING.update(kda_mod.parse_tuning(args.fuzz_variant))
             print(f"fuzz with {args.fuzz_variant}:", flush=True)
             report["fuzz_variant"] = fuzz(device, 4)
             kda_mod.TUNING.clear()
@@ -374,7 +374,7 @@ def main(argv=None):
         for variant in ["", *args.variants.split(";")]:
             kda_mod.TUNING.clear()
             kda_mod.TUNING.update(base)
-            kda_mod.TUNING.update(tuning_overrides(variant))
+            kda_mod.TUNING.update(kda_mod.parse_tuning(variant))
             for name in args.variant_shapes.split(","):
                 batch, seq_len, heads, docs = SHAPES[name]
                 x, cu = make_inputs(batch, seq_len, heads, 128, docs, device, torch.bfloat16, 7)
@@ -413,13 +413,6 @@ def main(argv=None):
         print(f"kernel resource report failed: {exc!r}")
     save(args.out, report)
     print_table(results)
-
-
-def tuning_overrides(text: str) -> dict:
-    """'key=value,...' as TUNING entries (text keys stay strings, the rest are ints)."""
-    from moe_lc_kernels import kda as kda_mod
-
-    return kda_mod.parse_tuning(text)
 
 
 def save(out_dir: str, report: dict) -> None:

@@ -19,7 +19,7 @@ from moe_lc_kernels import kda_triton as kt  # noqa: E402
 def apply(variant: str, base: dict) -> None:
     K.TUNING.clear()
     K.TUNING.update(base)
-    K.TUNING.update(b.tuning_overrides(variant))
+    K.TUNING.update(K.parse_tuning(variant))
 
 
 def main() -> int:
