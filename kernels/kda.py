@@ -33,10 +33,12 @@ from torch import Tensor
 CHUNK = 64
 # Launch choices (benchmarked in kernels/NOTES.md); MOE_LC_KDA_TUNING="key=value,..." overrides.
 # Backward products: ``score_prec`` for the key-tile score gradients, whose contributions to dG
-# cancel (tf32 there put d dt_bias 2-3e-2 from float64), ``bwd_prec`` for all the others.
+# cancel in pairs (at "tf32" the kernel rounds their operands itself so that the pairs stay equal),
+# ``bwd_prec`` for all the others. ``*_maxnreg``: a register cap per thread (0: the compiler's).
 TUNING = dict(prep_warps=8, prep_bk=16, wu_warps=8, state_warps=4, state_stages=2,
-              bwd_states="fp32", bwd_prec="tf32", score_prec="tf32x3",
-              vside_warps=4, vside_bv=64, kside_warps=4, kside_bk=16, kside_unroll=1)
+              bwd_states="fp32", bwd_prec="tf32", score_prec="tf32",
+              vside_warps=4, vside_bv=64, vside_maxnreg=0, kside_warps=4, kside_bk=16, kside_unroll=1,
+              kside_maxnreg=0)
 _TEXT_TUNING = ("bwd_states", "bwd_prec", "score_prec")
 
 
@@ -233,6 +235,12 @@ def _segment_end_grads(dpart, transitions, dfinal, plan):
     return dend
 
 
+def _register_cap(kernel: str) -> dict:
+    """``maxnreg`` launch option from TUNING (absent when 0, which the interpreter also needs)."""
+    cap = TUNING[f"{kernel}_maxnreg"]
+    return {"maxnreg": cap} if cap else {}
+
+
 def _bwd_vside(kt, v: Tensor, beta: Tensor, w: Tensor, x: Tensor, states: Tensor, dh: Tensor, ddelta: Tensor,
                do: Tensor, dv: Tensor, plan: _Plan, meta: dict) -> dict[str, Tensor]:
     """Backward, part 1: dv, and the V-contracted gradients into fp32 scratch (3 of [T, H, K])."""
@@ -247,7 +255,8 @@ def _bwd_vside(kt, v: Tensor, beta: Tensor, w: Tensor, x: Tensor, states: Tensor
     args = (v, beta, plan.chunk_bos, plan.chunk_eos, x, w, states, dh, ddelta, do,
             dv, scratch["dqg"], scratch["dw"], scratch["dkend"], scratch["daqk"], scratch["dt"], scratch["dgc"], heads)
     kt._bwd_vside_kernel[(plan.num_chunks, heads, 2)](
-        *args, K=key_dim, V=value_dim, BV=min(TUNING["vside_bv"], value_dim), num_warps=TUNING["vside_warps"], **meta)
+        *args, K=key_dim, V=value_dim, BV=min(TUNING["vside_bv"], value_dim), num_warps=TUNING["vside_warps"],
+        **_register_cap("vside"), **meta)
     return scratch
 
 
@@ -255,16 +264,15 @@ def _bwd_kside(kt, q: Tensor, k: Tensor, gz: Tensor, beta: Tensor, A_log: Tensor
                scratch: dict[str, Tensor], dq: Tensor, dk: Tensor, dgz: Tensor, dbeta: Tensor, dA_part: Tensor,
                ddtb_part: Tensor, plan: _Plan, flags: _Flags, has_dt_bias: bool, meta: dict) -> None:
     """Backward, part 2: dq, dk, dgz, dbeta and the per-chunk A_log/dt_bias partials from the scratch
-    (which it overwrites: dA over dT, parked rows over dqg/dkend/dw) and a [T, H] buffer of k norms."""
+    (which it overwrites: dA over dT, parked rows over dqg/dkend/dw)."""
     heads, key_dim = q.shape[1], q.shape[2]
     kt._bwd_kside_kernel[(plan.num_chunks, heads)](
         q, k, gz, beta, A_log, dt_bias, plan.chunk_bos, plan.chunk_eos, x,
         scratch["dqg"], scratch["dw"], scratch["dkend"], scratch["daqk"], scratch["dt"], scratch["dgc"],
-        torch.empty(q.shape[:2], device=q.device, dtype=torch.float32),  # k row norms, for 16-row reloads
         dq, dk, dgz, dbeta, dA_part, ddtb_part, flags.scale, flags.lower_bound, heads,
         K=key_dim, BK=min(TUNING["kside_bk"], key_dim), GATE_IN_KERNEL=flags.gate_in_kernel,
         HAS_DT_BIAS=has_dt_bias, L2NORM=flags.l2norm, UNROLL=TUNING["kside_unroll"], num_warps=TUNING["kside_warps"],
-        **meta,
+        **_register_cap("kside"), **meta,
     )
 
 

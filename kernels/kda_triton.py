@@ -113,21 +113,14 @@ def _add_scores(qs, kv, G, rows, R, Aqk, BT: tl.constexpr, DOT_PREC: tl.constexp
 
 
 @triton.jit
-def _tile_keys(kp, zp, rnorm, A_log, dt_bias, h, cols, bos, eos, lower_bound, tok, H: tl.constexpr,
-               K: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr, b: tl.constexpr):
-    """Rows 16b..16b+15 of K / Gamma relative to the tile's start, from a 16-row reload: with
-    e_j = exp(rho_b - G_j) = exp(-sum_{16b <= r <= j} g_r) <= e^(16 |g_min|), returns (k_j e_j, e_j)
-    ([16, BK] each; k normalised by the row norms in ``rnorm``)."""
-    trow = b * TILE + tl.arange(0, TILE)
-    tvalid = (bos + trow) < eos
-    t2 = tvalid[:, None]
-    offs_t = trow[:, None] * (H * K) + cols[None, :]
-    rk_t = tl.load(rnorm + (bos + trow) * H + h, mask=tvalid, other=0.0)
-    kv_t = tl.load(kp + tok + offs_t, mask=t2, other=0.0).to(tl.float32) * rk_t[:, None]
-    zv_t = tl.load(zp + tok + offs_t, mask=t2, other=0.0).to(tl.float32)
-    g_t, _, _ = _gate(zv_t, A_log, dt_bias, h, cols, lower_bound, K, GATE_IN_KERNEL, HAS_DT_BIAS)
-    e_t = tl.exp(-tl.cumsum(tl.where(t2, g_t, 0.0), axis=0))
-    return kv_t * e_t, e_t
+def _to_tf32(x, ROUND: tl.constexpr):
+    """x rounded to tf32 (10 mantissa bits, half away from zero) when ROUND, else x unchanged. A
+    rounded value goes through a tf32 tensor-core product unchanged, so the same product can be
+    formed twice, in two orders, with equal terms."""
+    if ROUND:
+        bits = x.to(tl.uint32, bitcast=True)
+        x = ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return x
 
 
 @triton.jit
@@ -378,31 +371,33 @@ def _state_bwd_kernel(qg, w, kend, aqk, gc, do, dh, ddelta, seg_init, seg_start_
 
 
 @triton.jit
-def _score_grads_tile(dA_t, dAqk_t, kf, qf, f, bv, kv, kp, zp, rnorm, A_log, dt_bias, h, cols, bos, eos, lower_bound,
-                      tok, pk, pq, db, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                      GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr, b: tl.constexpr, PREC: tl.constexpr):
+def _score_grads_tile(dA_t, dAqk_t, kn_scr, kff, qff, f, bv, kv, cols, bos, eos, pk, pq, db, drow,
+                      H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, b: tl.constexpr, PREC: tl.constexpr):
     """Backward of key tile b of R and Aqk (see _bwd_kside_kernel), contracting over the tile's 16 keys only.
 
     ``dA_t`` / ``dAqk_t`` point at the [64, 64] score gradients; their columns of tile b are loaded as
-    [64, 16] slabs (and transposed as [16, 64]), and the tile's own rows of K / Gamma come from
-    _tile_keys.
-    Returns the [16, BK] gradient of those K / Gamma rows times their own decay factor, for the caller to
-    place in rows 16b..16b+15.
+    [64, 16] slabs (and transposed as [16, 64]). ``kn_scr`` holds K / Gamma relative to each row's
+    tile start for this block of columns; tile b's rows are loaded from it. ``kff`` = b K F_b and
+    ``qff`` = Q F_b are the row-side operands. Returns the accumulators and the [16, BK] gradient
+    of the tile's K / Gamma rows, for the caller to place in rows 16b..16b+15.
     """
+    ROUND: tl.constexpr = PREC == "tf32"
     cb = tl.arange(0, BT)
     trow = b * TILE + tl.arange(0, TILE)
-    kn_t, e_t = _tile_keys(kp, zp, rnorm, A_log, dt_bias, h, cols, bos, eos, lower_bound, tok, H, K,
-                           GATE_IN_KERNEL, HAS_DT_BIAS, b)
-    dA_b = tl.load(dA_t + cb[:, None] * BT + trow[None, :])  # [64, 16]: columns of tile b
-    dAqk_b = tl.load(dAqk_t + cb[:, None] * BT + trow[None, :])
+    tvalid = ((bos + trow) < eos)[:, None]
+    kn_t = tl.load(kn_scr + trow[:, None] * (H * K) + cols[None, :], mask=tvalid, other=0.0)
+    dA_b = _to_tf32(tl.load(dA_t + cb[:, None] * BT + trow[None, :]), ROUND)  # [64, 16]: columns of tile b
+    dAqk_b = _to_tf32(tl.load(dAqk_t + cb[:, None] * BT + trow[None, :]), ROUND)
     u = tl.dot(dA_b, kn_t, input_precision=PREC)
+    u2 = tl.dot(dAqk_b, kn_t, input_precision=PREC)
     db += tl.sum(kv * f * u, axis=1)
     pk += u * f * bv[:, None]
-    pq += tl.dot(dAqk_b, kn_t, input_precision=PREC) * f
-    dA_bt = tl.load(dA_t + cb[None, :] * BT + trow[:, None])  # [16, 64]: the same slabs transposed
-    dAqk_bt = tl.load(dAqk_t + cb[None, :] * BT + trow[:, None])
-    dkn_t = tl.dot(dA_bt, kf * f, input_precision=PREC) + tl.dot(dAqk_bt, qf * f, input_precision=PREC)
-    return pk, pq, db, dkn_t * e_t
+    pq += u2 * f
+    drow += kff * u + qff * u2
+    dA_bt = _to_tf32(tl.load(dA_t + cb[None, :] * BT + trow[:, None]), ROUND)  # [16, 64]: the same slabs transposed
+    dAqk_bt = _to_tf32(tl.load(dAqk_t + cb[None, :] * BT + trow[:, None]), ROUND)
+    dkn_t = tl.dot(dA_bt, kff, input_precision=PREC) + tl.dot(dAqk_bt, qff, input_precision=PREC)
+    return pk, pq, db, drow, dkn_t
 
 
 @triton.jit
@@ -500,7 +495,7 @@ def _cols_kg(kp, zp, A_log, dt_bias, offs, m2, h, lower_bound, rk, cols, K: tl.c
 
 @triton.jit
 def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in,
-                      dqg_in, dw_in, dkend_in, daqk_in, dt_in, dgc_in, rnorm,
+                      dqg_in, dw_in, dkend_in, daqk_in, dt_in, dgc_in,
                       dq, dk, dgz, dbeta, dA_part, ddtb_part,
                       scale, lower_bound, H: tl.constexpr,
                       K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
@@ -519,6 +514,7 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
     put d dt_bias 2-3e-2 from float64; every other product runs at PREC. The key-block loops are
     compiled as loops (UNROLL = 1; full unrolling took 224 s to compile for sm_90 instead of 8 s).
     """
+    ROUND: tl.constexpr = SCORE_PREC == "tf32"
     c = tl.program_id(0)
     h = tl.program_id(1)
     c64 = c.to(tl.int64)
@@ -528,14 +524,13 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
     tok = (bos * H + h) * K  # row 0 of the chunk in [T, H, K] tensors; + rows * H * K + column
     sq = (c64 * H + h) * BT * BT
 
-    # Pass 0: the L2-norm reciprocals of q and k rows (k's also to ``rnorm`` for the 16-row reloads).
+    # Pass 0: the L2-norm reciprocals of q and k rows.
     if L2NORM:
         rq = _row_norms(q, bos, eos, h, H, K, BK, BT)
         rk = _row_norms(k, bos, eos, h, H, K, BK, BT)
     else:
         rq = tl.full([BT], 1.0, tl.float32)
         rk = tl.full([BT], 1.0, tl.float32)
-    tl.store(rnorm + (bos + rows) * H + h, rk, mask=valid)
     bv = tl.load(beta + bos * H + h + rows * H, mask=valid, other=0.0).to(tl.float32)
     if BETA_SIGMOID:
         bv = tl.sigmoid(bv)
@@ -574,25 +569,30 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
         qs = qv * scale
         eG = tl.exp(G)
         r1, r2, r3, rho_row = _tile_start(G, rows, BT)
+        T = tl.load(x_in + sq + rows[:, None] * BT + cb[None, :]) * bv[None, :]
         kf = kv * bv[:, None]
+        dkg = tl.dot(tl.trans(T), tl.load(dw_in + tok + offs, mask=m2, other=0.0), input_precision=PREC)
+        # K / Gamma relative to each row's own tile start, through this block of the dW scratch (read
+        # for the last time just above), so the tile products load their 16 rows of it.
+        tl.debug_barrier()
+        tl.store(dw_in + tok + offs, _to_tf32(kv * tl.exp(rho_row - G), ROUND), mask=m2)
+        tl.debug_barrier()
         pk = tl.zeros([BT, BK], dtype=tl.float32)
         pq = tl.zeros([BT, BK], dtype=tl.float32)
-        pk, pq, db, t0 = _score_grads_tile(dA_t, dAqk_t, kf, qs, eG, bv, kv, k, gz, rnorm, A_log, dt_bias, h, cols,
-                                           bos, eos, lower_bound, tok, pk, pq, db, H, K, BT, GATE_IN_KERNEL,
-                                           HAS_DT_BIAS, 0, SCORE_PREC)
-        pk, pq, db, t1 = _score_grads_tile(dA_t, dAqk_t, kf, qs, _from_tile(G, r1, rows, 16), bv, kv, k, gz, rnorm,
-                                           A_log, dt_bias, h, cols, bos, eos, lower_bound, tok, pk, pq, db, H, K, BT,
-                                           GATE_IN_KERNEL, HAS_DT_BIAS, 1, SCORE_PREC)
-        pk, pq, db, t2 = _score_grads_tile(dA_t, dAqk_t, kf, qs, _from_tile(G, r2, rows, 32), bv, kv, k, gz, rnorm,
-                                           A_log, dt_bias, h, cols, bos, eos, lower_bound, tok, pk, pq, db, H, K, BT,
-                                           GATE_IN_KERNEL, HAS_DT_BIAS, 2, SCORE_PREC)
-        pk, pq, db, t3 = _score_grads_tile(dA_t, dAqk_t, kf, qs, _from_tile(G, r3, rows, 48), bv, kv, k, gz, rnorm,
-                                           A_log, dt_bias, h, cols, bos, eos, lower_bound, tok, pk, pq, db, H, K, BT,
-                                           GATE_IN_KERNEL, HAS_DT_BIAS, 3, SCORE_PREC)
-        T = tl.load(x_in + sq + rows[:, None] * BT + cb[None, :]) * bv[None, :]
-        dkg = tl.dot(tl.trans(T), tl.load(dw_in + tok + offs, mask=m2, other=0.0), input_precision=PREC)
-        # The four 16-row tiles of d(K / Gamma) / Gamma back into one [64, BK] block, through this
-        # block of the dW scratch (read for the last time just above).
+        drow = tl.zeros([BT, BK], dtype=tl.float32)
+        kn_scr = dw_in + tok
+        pk, pq, db, drow, t0 = _score_grads_tile(dA_t, dAqk_t, kn_scr, _to_tf32(kf * eG, ROUND), _to_tf32(qs * eG, ROUND),
+                                                 eG, bv, kv, cols, bos, eos, pk, pq, db, drow, H, K, BT, 0, SCORE_PREC)
+        f = _from_tile(G, r1, rows, 16)
+        pk, pq, db, drow, t1 = _score_grads_tile(dA_t, dAqk_t, kn_scr, _to_tf32(kf * f, ROUND), _to_tf32(qs * f, ROUND),
+                                                 f, bv, kv, cols, bos, eos, pk, pq, db, drow, H, K, BT, 1, SCORE_PREC)
+        f = _from_tile(G, r2, rows, 32)
+        pk, pq, db, drow, t2 = _score_grads_tile(dA_t, dAqk_t, kn_scr, _to_tf32(kf * f, ROUND), _to_tf32(qs * f, ROUND),
+                                                 f, bv, kv, cols, bos, eos, pk, pq, db, drow, H, K, BT, 2, SCORE_PREC)
+        f = _from_tile(G, r3, rows, 48)
+        pk, pq, db, drow, t3 = _score_grads_tile(dA_t, dAqk_t, kn_scr, _to_tf32(kf * f, ROUND), _to_tf32(qs * f, ROUND),
+                                                 f, bv, kv, cols, bos, eos, pk, pq, db, drow, H, K, BT, 3, SCORE_PREC)
+        # The four 16-row tiles of d(K / Gamma) back into one [64, BK] block, over the K / Gamma rows.
         tl.debug_barrier()
         _park_rows(dw_in, tok, 0, cols, bos, eos, t0, H, K)
         _park_rows(dw_in, tok, 16, cols, bos, eos, t1, H, K)
@@ -603,10 +603,14 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
         GC = tl.sum(g, axis=0)
         kend_f = tl.exp(GC[None, :] - G)
         tl.debug_barrier()  # the parked tiles are read back by other threads
-        dknE = tl.load(dw_in + tok + offs, mask=m2, other=0.0)
-        dkk = pk + dknE + dkg * eG + dke * kend_f
+        dkn = tl.load(dw_in + tok + offs, mask=m2, other=0.0)
+        e_row = tl.exp(rho_row - G)
+        kn = _to_tf32(kv * e_row, ROUND)  # the same bits as the rows the tile products read
+        dkk = pk + dkn * e_row + dkg * eG + dke * kend_f
         dqn = (pq + dqg * eG) * scale
-        dG = (pk * kv + pq * qs - dknE * kv + dkg * kv * eG + dqg * qs * eG - dke * kv * kend_f)
+        # The score terms of dG as drow - kn * dkn: every (i, j) product appears once in each, with
+        # equal operands, so the pairs cancel (tf32 products included: _score_grads_tile).
+        dG = (drow - kn * dkn + dkg * kv * eG + dqg * qs * eG - dke * kv * kend_f)
         dGC = tl.sum(dke * kv * kend_f, axis=0) + tl.load(dgc_in + (c64 * H + h) * K + cols) * tl.exp(GC)
         dg = tl.cumsum(dG, axis=0, reverse=True) + dGC[None, :]
         if GATE_IN_KERNEL:

@@ -33,29 +33,30 @@ FLOAT_SCALARS = {"scale", "lower_bound"}
 
 
 def launches(tuning: dict) -> dict:
-    """kernel -> (function, constexprs, fp32 pointer arguments, num_warps, num_stages), as kernels/kda.py launches them."""
+    """kernel -> (function, constexprs, fp32 pointer arguments, num_warps, num_stages, maxnreg), as
+    kernels/kda.py launches them (maxnreg 0: no register cap)."""
     flags = dict(GATE_IN_KERNEL=True, HAS_DT_BIAS=True, L2NORM=True, BETA_SIGMOID=True)
     dims = dict(K=128, BT=64)
     params = {"A_log", "dt_bias"}
     states = {"states", "dh", "ddelta"} if tuning["bwd_states"] == "fp32" else set()
     return {
         "prep": (kt._prep_blocked_kernel, dict(dims, BK=tuning["prep_bk"], DOT_PREC="tf32", INV_PREC="ieee", **flags),
-                 params | {"gc_out", "x_out"}, tuning["prep_warps"], 1),
+                 params | {"gc_out", "x_out"}, tuning["prep_warps"], 1, 0),
         "wu": (kt._wu_kernel, dict(dims, V=128, BC=64, BETA_SIGMOID=True, DOT_PREC="tf32"), {"x"},
-               tuning["wu_warps"], 2),
+               tuning["wu_warps"], 2, 0),
         "state_fwd": (kt._state_fwd_kernel, dict(dims, V=128, BV=64, V_END=128, HAS_INIT=True, TRANSITION=False,
                                                  STORE_OUTPUT=True, STORE_STATES=False, DOT_PREC="tf32"),
-                      {"gc", "states", "seg_init", "seg_end"}, tuning["state_warps"], tuning["state_stages"]),
+                      {"gc", "states", "seg_init", "seg_end"}, tuning["state_warps"], tuning["state_stages"], 0),
         "state_bwd": (kt._state_bwd_kernel, dict(dims, V=128, BV=64, HAS_INIT=True, STORE=True, DOT_PREC="tf32"),
-                      {"gc", "seg_init", "seg_start_grad"} | states, tuning["state_warps"], tuning["state_stages"]),
+                      {"gc", "seg_init", "seg_start_grad"} | states, tuning["state_warps"], tuning["state_stages"], 0),
         "vside": (kt._bwd_vside_kernel, dict(dims, H=16, V=128, BV=tuning["vside_bv"], BETA_SIGMOID=True,
                                              PREC=tuning["bwd_prec"]),
                   {"x_in", "dqg_out", "dw_out", "dkend_out", "daqk_out", "dt_out", "dgc_out"} | states,
-                  tuning["vside_warps"], 1),
+                  tuning["vside_warps"], 1, tuning["vside_maxnreg"]),
         "kside": (kt._bwd_kside_kernel, dict(dims, H=16, BK=tuning["kside_bk"], PREC=tuning["bwd_prec"],
                                              SCORE_PREC=tuning["score_prec"], UNROLL=tuning["kside_unroll"], **flags),
-                  params | {"x_in", "dqg_in", "dw_in", "dkend_in", "daqk_in", "dt_in", "dgc_in", "rnorm", "dA_part",
-                            "ddtb_part"}, tuning["kside_warps"], 1),
+                  params | {"x_in", "dqg_in", "dw_in", "dkend_in", "daqk_in", "dt_in", "dgc_in", "dA_part",
+                            "ddtb_part"}, tuning["kside_warps"], 1, tuning["kside_maxnreg"]),
     }
 
 
@@ -74,12 +75,12 @@ def signature(fn, constexprs: dict, fp32: set) -> dict:
     return {name: kind(name) for name in fn.arg_names}
 
 
-def compile_one(fn, constexprs: dict, fp32: set, warps: int, stages: int) -> dict:
+def compile_one(fn, constexprs: dict, fp32: set, warps: int, stages: int, maxnreg: int = 0) -> dict:
     sig = signature(fn, constexprs, fp32)
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if sig[name].startswith("*")}
     start = time.time()
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=aligned),
-                              target=GPUTarget("cuda", 90, 128), options=dict(num_warps=warps, num_stages=stages))
+                              target=GPUTarget("cuda", 90, 128), options=dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {})))
     seconds = time.time() - start
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -103,8 +104,7 @@ def main(argv=None) -> int:
         print(f"sm_90, Triton {triton.__version__}, tuning overrides: {args.tuning or 'none'}")
         print("| kernel | warps | compile s | regs | stack B | shared KB |\n|---|---|---|---|---|---|")
     for name in args.kernels.split(","):
-        fn, constexprs, fp32, warps, stages = table[name]
-        r = compile_one(fn, constexprs, fp32, warps, stages)
+        r = compile_one(*table[name])
         if args.json:
             print(json.dumps(dict(kernel=name, **r)), flush=True)
         else:
