@@ -378,24 +378,24 @@ def _score_grads_tile(dA_t, dAqk_t, kn_scr, kff, qff, f, bv, kv, cols, bos, eos,
     ``dA_t`` / ``dAqk_t`` point at the [64, 64] score gradients; their columns of tile b are loaded as
     [64, 16] slabs (and transposed as [16, 64]). ``kn_scr`` holds K / Gamma relative to each row's
     tile start for this block of columns; tile b's rows are loaded from it. ``kff`` = b K F_b and
-    ``qff`` = Q F_b are the row-side operands. Returns the accumulators and the [16, BK] gradient
+    ``qff`` = Q F_b are the row-side operands. At tf32 the caller has rounded every operand (scores
+    included) so that each product is formed from the same tf32 values in both orientations. Returns the accumulators and the [16, BK] gradient
     of the tile's K / Gamma rows, for the caller to place in rows 16b..16b+15.
     """
-    ROUND: tl.constexpr = PREC == "tf32"
     cb = tl.arange(0, BT)
     trow = b * TILE + tl.arange(0, TILE)
     tvalid = ((bos + trow) < eos)[:, None]
     kn_t = tl.load(kn_scr + trow[:, None] * (H * K) + cols[None, :], mask=tvalid, other=0.0)
-    dA_b = _to_tf32(tl.load(dA_t + cb[:, None] * BT + trow[None, :]), ROUND)  # [64, 16]: columns of tile b
-    dAqk_b = _to_tf32(tl.load(dAqk_t + cb[:, None] * BT + trow[None, :]), ROUND)
+    dA_b = tl.load(dA_t + cb[:, None] * BT + trow[None, :])  # [64, 16]: columns of tile b
+    dAqk_b = tl.load(dAqk_t + cb[:, None] * BT + trow[None, :])
     u = tl.dot(dA_b, kn_t, input_precision=PREC)
     u2 = tl.dot(dAqk_b, kn_t, input_precision=PREC)
     db += tl.sum(kv * f * u, axis=1)
     pk += u * f * bv[:, None]
     pq += u2 * f
     drow += kff * u + qff * u2
-    dA_bt = _to_tf32(tl.load(dA_t + cb[None, :] * BT + trow[:, None]), ROUND)  # [16, 64]: the same slabs transposed
-    dAqk_bt = _to_tf32(tl.load(dAqk_t + cb[None, :] * BT + trow[:, None]), ROUND)
+    dA_bt = tl.load(dA_t + cb[None, :] * BT + trow[:, None])  # [16, 64]: the same slabs transposed
+    dAqk_bt = tl.load(dAqk_t + cb[None, :] * BT + trow[:, None])
     dkn_t = tl.dot(dA_bt, kff, input_precision=PREC) + tl.dot(dAqk_bt, qff, input_precision=PREC)
     return pk, pq, db, drow, dkn_t
 
@@ -510,9 +510,11 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
     dX and dA on [64, 64] (parked in the used-up dT scratch: the score tiles read 16-column slabs
     of it), pass 2 every column gradient (unnormalised dq, dk parked in the dQg / dKend scratch rows
     this program just read), pass 3 the L2-norm backward. The key-tile score products run at
-    SCORE_PREC (tf32x3 for bf16 inputs): their row and column terms of dG cancel, and tf32 there
-    put d dt_bias 2-3e-2 from float64; every other product runs at PREC. The key-block loops are
-    compiled as loops (UNROLL = 1; full unrolling took 224 s to compile for sm_90 instead of 8 s).
+    SCORE_PREC: their terms of dG come in pairs that cancel (row sum for the later token, column sum
+    for the earlier), so at "tf32" their operands are rounded here, once, and both sums see equal
+    terms (left to the tensor cores, d dt_bias was 2-3e-2 from float64). Every other product runs
+    at PREC. The key-block loops are compiled as loops (UNROLL = 1; full unrolling took 224 s to
+    compile for sm_90 instead of 8 s).
     """
     ROUND: tl.constexpr = SCORE_PREC == "tf32"
     c = tl.program_id(0)
@@ -550,8 +552,11 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
     dA = -tl.dot(tl.dot(tl.trans(X), dT * bv[None, :], input_precision=PREC), tl.trans(X), input_precision=PREC)
     dA = tl.where(rows[:, None] > cb[None, :], dA, 0.0)
     tl.debug_barrier()  # every thread has read dT before dA overwrites it
-    tl.store(dt_in + sq + rows[:, None] * BT + cb[None, :], dA)
-    tl.debug_barrier()  # dA and the k norms are read back in slabs by other threads
+    tl.store(dt_in + sq + rows[:, None] * BT + cb[None, :], _to_tf32(dA, ROUND))
+    if ROUND:  # the score gradients are read in slabs both ways: round them once, here
+        aqk_tile = daqk_in + sq + rows[:, None] * BT + cb[None, :]
+        tl.store(aqk_tile, _to_tf32(tl.load(aqk_tile), ROUND))
+    tl.debug_barrier()  # dA and dAqk are read back in slabs by other threads
 
     # Pass 2: per column block, the score gradients (_score_grads_tile), dkg = T^T dW, the
     # gate/cumsum backward; unnormalised dq/dk, and the two row products of the L2-norm backward.
