@@ -89,6 +89,27 @@ def test_fused_matches_float64_with_states(segment_chunks):
     assert_matches(x, h0, out, final, *fused_reference(x, h0, None))
 
 
+def test_saved_prep_gives_the_same_gradients(monkeypatch):
+    """save_prep=1 keeps the forward's prep outputs instead of recomputing them in the backward:
+    the same kernels on the same inputs, so the gradients must be bit-identical."""
+    from moe_lc_kernels import kda as kda_mod
+
+    cu = torch.tensor([0, 90, 200], dtype=torch.int32, device=DEVICE)
+    x, h0 = raw_inputs(1, 200, 2, 16, 16, num_states=2, seed=5)
+    names = ("q", "k", "v", "z", "beta", "A_log", "dt_bias")
+
+    def grads():
+        out, final = chunk_kda_fused(*(x[n] for n in names), initial_state=h0, output_final_state=True,
+                                     cu_seqlens=cu)
+        return torch.autograd.grad(out.square().sum() + final.sum(), [*(x[n] for n in names), h0])
+
+    recomputed = grads()
+    monkeypatch.setitem(kda_mod.TUNING, "save_prep", 1)
+    saved = grads()
+    for n, a, b in zip([*names, "h0"], recomputed, saved):
+        assert torch.equal(a, b), n
+
+
 def test_fused_packed_documents_segmented():
     """Packed documents of uneven lengths (one shorter than a tile), per-document states, segments of
     one and two chunks so that documents span several segments and the prefix scan is exercised."""
