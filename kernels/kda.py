@@ -35,13 +35,14 @@ CHUNK = 64
 # Backward products: ``score_prec`` for the key-tile score gradients, whose contributions to dG
 # cancel in pairs (at "tf32" the kernel rounds their operands itself so that the pairs stay equal),
 # ``bwd_prec`` for all the others. ``*_maxnreg``: a register cap per thread (0: the compiler's).
+# ``state_prec``: the backward's state passes multiply in the inputs' dtype ("bf16") or in tf32.
 # ``save_prep=1`` keeps the forward's prep outputs for the backward instead of recomputing them
 # (faster, at ~1.4x the bytes of q, k, v, z saved on top of them).
-TUNING = dict(save_prep=0, prep_warps=8, prep_bk=16, prep_maxnreg=0, wu_warps=8, state_warps=4, state_stages=2,
-              bwd_states="fp32", bwd_prec="tf32", score_prec="tf32",
-              vside_warps=4, vside_bv=64, vside_maxnreg=0, kside_warps=4, kside_bk=16, kside_unroll=1,
+TUNING = dict(save_prep=0, prep_warps=8, prep_bk=16, prep_maxnreg=128, wu_warps=8, state_warps=4, state_stages=2,
+              bwd_states="fp32", state_prec="bf16", bwd_prec="tf32", score_prec="tf32",
+              vside_warps=8, vside_bv=64, vside_maxnreg=0, kside_warps=4, kside_bk=16, kside_unroll=1,
               kside_maxnreg=0)
-_TEXT_TUNING = ("bwd_states", "bwd_prec", "score_prec")
+_TEXT_TUNING = ("bwd_states", "state_prec", "bwd_prec", "score_prec")
 
 
 def parse_tuning(text: str) -> dict:
@@ -187,6 +188,14 @@ def _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan: _Plan, flags: _Flags, cfg
     return w, u, qg, kend, aqk, gc, (x if store_x else None)
 
 
+def _state_operand(kt, w: Tensor, backward: bool):
+    """Operand dtype of the state-pass products: the intermediates' dtype, or fp32 (tf32 products)
+    in the backward's passes with ``state_prec="tf32"``."""
+    if w.dtype == torch.float32 or (backward and TUNING["state_prec"] == "tf32"):
+        return kt.tl.float32
+    return kt.tl.bfloat16
+
+
 def _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, *, init, transition, out=None, states=None):
     """One forward state pass over every segment; returns the segment end states."""
     heads, key_dim = w.shape[1], w.shape[2]
@@ -201,7 +210,8 @@ def _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, *, init, transition, out=
         plan.seg_chunk0, plan.seg_nchunks, plan.seg_bos, plan.seg_eos, heads,
         K=key_dim, V=value_dim, BV=bv, BT=CHUNK, V_END=v_end, HAS_INIT=init is not None,
         TRANSITION=transition, STORE_OUTPUT=out is not None, STORE_STATES=states is not None,
-        DOT_PREC=cfg["dot"], num_warps=TUNING["state_warps"], num_stages=TUNING["state_stages"],
+        DOT_PREC=cfg["dot"], OPD=_state_operand(kt, w, states is not None),
+        num_warps=TUNING["state_warps"], num_stages=TUNING["state_stages"],
     )
     return seg_end
 
@@ -324,7 +334,8 @@ class _ChunkKDAFunction(torch.autograd.Function):
         dstart = torch.empty(plan.num_segments, heads, key_dim, value_dim, device=q.device, dtype=torch.float32)
         dfinal = None if dfinal is None else dfinal.float().contiguous()
         grid = (value_dim // bv, plan.num_segments * heads)
-        common = dict(K=key_dim, V=value_dim, BV=bv, BT=CHUNK, DOT_PREC=cfg["dot"], num_warps=TUNING["state_warps"],
+        common = dict(K=key_dim, V=value_dim, BV=bv, BT=CHUNK, DOT_PREC=cfg["dot"],
+                      OPD=_state_operand(kt, w, True), num_warps=TUNING["state_warps"],
                       num_stages=TUNING["state_stages"])
         if plan.segmented:
             dpart = torch.empty_like(dstart)

@@ -277,11 +277,13 @@ def _state_fwd_kernel(w, u, qg, kend, aqk, gc, o, states, seg_init, seg_end,
                       seg_chunk0, seg_nchunks, seg_bos, seg_eos, H,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                       V_END: tl.constexpr, HAS_INIT: tl.constexpr, TRANSITION: tl.constexpr,
-                      STORE_OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr, DOT_PREC: tl.constexpr):
+                      STORE_OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr, DOT_PREC: tl.constexpr,
+                      OPD: tl.constexpr):
     """One program: columns [pv*BV, pv*BV+BV) of one segment's state for one head, chunk by chunk.
 
     Column blocks past V (only with TRANSITION) carry identity columns with zero values: they end
     as the transition M of the segment. ``seg_end`` has V_END = V (+ K with TRANSITION) columns.
+    The state is fp32; its products take it (and their other operands) as OPD.
     """
     pv = tl.program_id(0)
     sh = tl.program_id(1)
@@ -308,17 +310,17 @@ def _state_fwd_kernel(w, u, qg, kend, aqk, gc, o, states, seg_init, seg_end,
         m2 = (rows < eos)[:, None]
         if STORE_STATES:
             tl.store(states + ((c * H + h) * K + rk[:, None]) * V + col[None, :], S.to(states.dtype.element_ty))
-        Wt = tl.load(w + (rows[:, None] * H + h) * K + rk[None, :], mask=m2, other=0.0)
+        Wt = tl.load(w + (rows[:, None] * H + h) * K + rk[None, :], mask=m2, other=0.0).to(OPD)
         Ut = tl.load(u + (rows[:, None] * H + h) * V + col[None, :], mask=m2 & is_value, other=0.0)
-        Sb = S.to(Wt.dtype)
+        Sb = S.to(OPD)
         D = Ut.to(tl.float32) - tl.dot(Wt, Sb, input_precision=DOT_PREC)
-        Db = D.to(Wt.dtype)
+        Db = D.to(OPD)
         if STORE_OUTPUT:
-            Qt = tl.load(qg + (rows[:, None] * H + h) * K + rk[None, :], mask=m2, other=0.0)
-            At = tl.load(aqk + (rows[:, None] * H + h) * BT + cb[None, :], mask=m2, other=0.0)
+            Qt = tl.load(qg + (rows[:, None] * H + h) * K + rk[None, :], mask=m2, other=0.0).to(OPD)
+            At = tl.load(aqk + (rows[:, None] * H + h) * BT + cb[None, :], mask=m2, other=0.0).to(OPD)
             Ot = tl.dot(Qt, Sb, input_precision=DOT_PREC) + tl.dot(At, Db, input_precision=DOT_PREC)
             tl.store(o + (rows[:, None] * H + h) * V + col[None, :], Ot.to(o.dtype.element_ty), mask=m2)
-        Kt = tl.load(kend + (rows[:, None] * H + h) * K + rk[None, :], mask=m2, other=0.0)
+        Kt = tl.load(kend + (rows[:, None] * H + h) * K + rk[None, :], mask=m2, other=0.0).to(OPD)
         gct = tl.load(gc + (c * H + h) * K + rk)
         S = S * gct[:, None] + tl.dot(tl.trans(Kt), Db, input_precision=DOT_PREC)
     tl.store(seg_end + ((seg.to(tl.int64) * H + h) * K + rk[:, None]) * V_END + (pv * BV + cv)[None, :], S)
@@ -329,11 +331,13 @@ def _state_fwd_kernel(w, u, qg, kend, aqk, gc, o, states, seg_init, seg_end,
 def _state_bwd_kernel(qg, w, kend, aqk, gc, do, dh, ddelta, seg_init, seg_start_grad,
                       seg_chunk0, seg_nchunks, seg_bos, seg_eos, H,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                      HAS_INIT: tl.constexpr, STORE: tl.constexpr, DOT_PREC: tl.constexpr):
+                      HAS_INIT: tl.constexpr, STORE: tl.constexpr, DOT_PREC: tl.constexpr,
+                      OPD: tl.constexpr):
     """Reverse pass over one segment: dS (gradient of the state after a chunk), chunk by chunk.
 
     dDelta = Aqk^T dO + Kend dS;  dS_before = Diag(Gamma_C) dS + Qg^T dO - W^T dDelta.
     With STORE it writes dS after every chunk (``dh``) and dDelta; at the end dS at the segment start.
+    Products take dS, dDelta and their other operands as OPD.
     """
     pv = tl.program_id(0)
     sh = tl.program_id(1)
@@ -356,17 +360,17 @@ def _state_bwd_kernel(qg, w, kend, aqk, gc, do, dh, ddelta, seg_init, seg_start_
         m2 = (rows < eos)[:, None]
         if STORE:
             tl.store(dh + ((c * H + h) * K + rk[:, None]) * V + col[None, :], dS.to(dh.dtype.element_ty))
-        At = tl.load(aqk + (rows[:, None] * H + h) * BT + cb[None, :], mask=m2, other=0.0)
-        Kt = tl.load(kend + (rows[:, None] * H + h) * K + rk[None, :], mask=m2, other=0.0)
-        dOt = tl.load(do + (rows[:, None] * H + h) * V + col[None, :], mask=m2, other=0.0).to(At.dtype)
-        dD = tl.dot(tl.trans(At), dOt, input_precision=DOT_PREC) + tl.dot(Kt, dS.to(Kt.dtype), input_precision=DOT_PREC)
+        At = tl.load(aqk + (rows[:, None] * H + h) * BT + cb[None, :], mask=m2, other=0.0).to(OPD)
+        Kt = tl.load(kend + (rows[:, None] * H + h) * K + rk[None, :], mask=m2, other=0.0).to(OPD)
+        dOt = tl.load(do + (rows[:, None] * H + h) * V + col[None, :], mask=m2, other=0.0).to(OPD)
+        dD = tl.dot(tl.trans(At), dOt, input_precision=DOT_PREC) + tl.dot(Kt, dS.to(OPD), input_precision=DOT_PREC)
         if STORE:
             tl.store(ddelta + (rows[:, None] * H + h) * V + col[None, :], dD.to(ddelta.dtype.element_ty), mask=m2)
-        Qt = tl.load(qg + (rows[:, None] * H + h) * K + rk[None, :], mask=m2, other=0.0)
-        Wt = tl.load(w + (rows[:, None] * H + h) * K + rk[None, :], mask=m2, other=0.0)
+        Qt = tl.load(qg + (rows[:, None] * H + h) * K + rk[None, :], mask=m2, other=0.0).to(OPD)
+        Wt = tl.load(w + (rows[:, None] * H + h) * K + rk[None, :], mask=m2, other=0.0).to(OPD)
         gct = tl.load(gc + (c * H + h) * K + rk)
         dS = (dS * gct[:, None] + tl.dot(tl.trans(Qt), dOt, input_precision=DOT_PREC)
-              - tl.dot(tl.trans(Wt), dD.to(Wt.dtype), input_precision=DOT_PREC))
+              - tl.dot(tl.trans(Wt), dD.to(OPD), input_precision=DOT_PREC))
     tl.store(seg_start_grad + ((seg.to(tl.int64) * H + h) * K + rk[:, None]) * V + col[None, :], dS)
 
 

@@ -22,6 +22,7 @@ import tempfile
 import time
 
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -45,9 +46,11 @@ def launches(tuning: dict) -> dict:
         "wu": (kt._wu_kernel, dict(dims, V=128, BC=64, BETA_SIGMOID=True, DOT_PREC="tf32"), {"x"},
                tuning["wu_warps"], 2, 0),
         "state_fwd": (kt._state_fwd_kernel, dict(dims, V=128, BV=64, V_END=128, HAS_INIT=True, TRANSITION=False,
-                                                 STORE_OUTPUT=True, STORE_STATES=False, DOT_PREC="tf32"),
+                                                 STORE_OUTPUT=True, STORE_STATES=False, DOT_PREC="tf32",
+                                                 OPD=tl.bfloat16),
                       {"gc", "states", "seg_init", "seg_end"}, tuning["state_warps"], tuning["state_stages"], 0),
-        "state_bwd": (kt._state_bwd_kernel, dict(dims, V=128, BV=64, HAS_INIT=True, STORE=True, DOT_PREC="tf32"),
+        "state_bwd": (kt._state_bwd_kernel, dict(dims, V=128, BV=64, HAS_INIT=True, STORE=True, DOT_PREC="tf32",
+                                                 OPD=tl.float32 if tuning["state_prec"] == "tf32" else tl.bfloat16),
                       {"gc", "seg_init", "seg_start_grad"} | states, tuning["state_warps"], tuning["state_stages"], 0),
         "vside": (kt._bwd_vside_kernel, dict(dims, H=16, V=128, BV=tuning["vside_bv"], BETA_SIGMOID=True,
                                              PREC=tuning["bwd_prec"]),
