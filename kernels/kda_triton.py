@@ -383,8 +383,9 @@ def _score_grads_tile(dA_t, dAqk_t, kn_scr, kff, qff, f, bv, kv, cols, bos, eos,
     [64, 16] slabs (and transposed as [16, 64]). ``kn_scr`` holds K / Gamma relative to each row's
     tile start for this block of columns; tile b's rows are loaded from it. ``kff`` = b K F_b and
     ``qff`` = Q F_b are the row-side operands. At tf32 the caller has rounded every operand (scores
-    included) so that each product is formed from the same tf32 values in both orientations. Returns the accumulators and the [16, BK] gradient
-    of the tile's K / Gamma rows, for the caller to place in rows 16b..16b+15.
+    included) so that each product is formed from the same tf32 values in both orientations.
+    Returns the accumulators and the [16, BK] gradient of the tile's K / Gamma rows, for the caller
+    to place in rows 16b..16b+15.
     """
     cb = tl.arange(0, BT)
     trow = b * TILE + tl.arange(0, TILE)
@@ -590,17 +591,22 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
         pq = tl.zeros([BT, BK], dtype=tl.float32)
         drow = tl.zeros([BT, BK], dtype=tl.float32)
         kn_scr = dw_in + tok
-        pk, pq, db, drow, t0 = _score_grads_tile(dA_t, dAqk_t, kn_scr, _to_tf32(kf * eG, ROUND), _to_tf32(qs * eG, ROUND),
-                                                 eG, bv, kv, cols, bos, eos, pk, pq, db, drow, H, K, BT, 0, SCORE_PREC)
+        # Key tile b's decay from its start, F_b = exp(G - rho_b) (tile 0: exp(G)), on the row operands.
+        pk, pq, db, drow, t0 = _score_grads_tile(dA_t, dAqk_t, kn_scr, _to_tf32(kf * eG, ROUND),
+                                                 _to_tf32(qs * eG, ROUND), eG, bv, kv, cols, bos, eos,
+                                                 pk, pq, db, drow, H, K, BT, 0, SCORE_PREC)
         f = _from_tile(G, r1, rows, 16)
-        pk, pq, db, drow, t1 = _score_grads_tile(dA_t, dAqk_t, kn_scr, _to_tf32(kf * f, ROUND), _to_tf32(qs * f, ROUND),
-                                                 f, bv, kv, cols, bos, eos, pk, pq, db, drow, H, K, BT, 1, SCORE_PREC)
+        pk, pq, db, drow, t1 = _score_grads_tile(dA_t, dAqk_t, kn_scr, _to_tf32(kf * f, ROUND),
+                                                 _to_tf32(qs * f, ROUND), f, bv, kv, cols, bos, eos,
+                                                 pk, pq, db, drow, H, K, BT, 1, SCORE_PREC)
         f = _from_tile(G, r2, rows, 32)
-        pk, pq, db, drow, t2 = _score_grads_tile(dA_t, dAqk_t, kn_scr, _to_tf32(kf * f, ROUND), _to_tf32(qs * f, ROUND),
-                                                 f, bv, kv, cols, bos, eos, pk, pq, db, drow, H, K, BT, 2, SCORE_PREC)
+        pk, pq, db, drow, t2 = _score_grads_tile(dA_t, dAqk_t, kn_scr, _to_tf32(kf * f, ROUND),
+                                                 _to_tf32(qs * f, ROUND), f, bv, kv, cols, bos, eos,
+                                                 pk, pq, db, drow, H, K, BT, 2, SCORE_PREC)
         f = _from_tile(G, r3, rows, 48)
-        pk, pq, db, drow, t3 = _score_grads_tile(dA_t, dAqk_t, kn_scr, _to_tf32(kf * f, ROUND), _to_tf32(qs * f, ROUND),
-                                                 f, bv, kv, cols, bos, eos, pk, pq, db, drow, H, K, BT, 3, SCORE_PREC)
+        pk, pq, db, drow, t3 = _score_grads_tile(dA_t, dAqk_t, kn_scr, _to_tf32(kf * f, ROUND),
+                                                 _to_tf32(qs * f, ROUND), f, bv, kv, cols, bos, eos,
+                                                 pk, pq, db, drow, H, K, BT, 3, SCORE_PREC)
         # The four 16-row tiles of d(K / Gamma) back into one [64, BK] block, over the K / Gamma rows.
         tl.debug_barrier()
         _park_rows(dw_in, tok, 0, cols, bos, eos, t0, H, K)

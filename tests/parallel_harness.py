@@ -38,6 +38,9 @@ def _worker(fn: Callable, rank: int, world_size: int, store: str, out_dir: str, 
             "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
         )
         result["value"] = fn(*args)
+        # No rank tears its connections down while another may still be reading from them (a
+        # peer that closes early shows up on the others as "connection reset by peer").
+        dist.barrier()
     except BaseException:  # noqa: BLE001 - reported to the parent
         result["error"] = traceback.format_exc()
     finally:
@@ -51,6 +54,17 @@ def _worker(fn: Callable, rank: int, world_size: int, store: str, out_dir: str, 
 def _load_result(out_dir: str, rank: int) -> Optional[dict]:
     path = os.path.join(out_dir, f"rank{rank}.pt")
     return torch.load(path, weights_only=False) if os.path.exists(path) else None
+
+
+def _failure_report(out_dir: str, world_size: int, results: dict[int, dict], first: int) -> str:
+    """Every failed rank's traceback, the likely cause first: a rank whose peer failed only sees
+    the peer's connection close (a gloo transport error), so the other errors come first."""
+    for r in range(world_size):
+        if r not in results and (res := _load_result(out_dir, r)) is not None:
+            results[r] = res
+    errors = {r: res["error"] for r, res in results.items() if "error" in res}
+    order = sorted(errors, key=lambda r: ("gloo/transport" in errors[r], r))
+    return "\n".join(f"rank {r} failed{' first' if r == first else ''}:\n{errors[r]}" for r in order)
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 100.0) -> list[Any]:
@@ -78,12 +92,13 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             time.sleep(0.05)
         for p in procs:
             if p.is_alive():
-                p.join(1 if failed is None and len(results) == world_size else 0)
+                # after a failure, a moment for the other ranks to report theirs (the root cause may be there)
+                p.join(1 if failed is None and len(results) == world_size else (2 if failed is not None else 0))
             if p.is_alive():
                 p.kill()
                 p.join(5)
         if failed is not None:
-            raise RuntimeError(f"rank {failed} failed:\n{results[failed]['error']}")
+            raise RuntimeError(_failure_report(tmp, world_size, results, failed))
         missing = [r for r in range(world_size) if r not in results]
         if missing:
             codes = [procs[r].exitcode for r in missing]

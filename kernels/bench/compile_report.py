@@ -82,8 +82,9 @@ def compile_one(fn, constexprs: dict, fp32: set, warps: int, stages: int, maxnre
     sig = signature(fn, constexprs, fp32)
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if sig[name].startswith("*")}
     start = time.time()
+    options = dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=aligned),
-                              target=GPUTarget("cuda", 90, 128), options=dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {})))
+                              target=GPUTarget("cuda", 90, 128), options=options)
     seconds = time.time() - start
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
