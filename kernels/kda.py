@@ -37,13 +37,16 @@ CHUNK = 64
 # ``bwd_prec`` for all the others. ``*_maxnreg``: a register cap per thread (0: the compiler's).
 # ``state_prec``: the backward's state passes multiply in tf32, or in the inputs' dtype ("bf16":
 # ~4% faster, but d beta up to 3.5x further from float64 on the H200 fuzz, measured up to 9.2e-3).
-# ``save_prep=1`` keeps the forward's prep outputs for the backward instead of recomputing them
-# (faster, at ~1.4x the bytes of q, k, v, z saved on top of them).
-TUNING = dict(save_prep=0, prep_warps=8, prep_bk=16, prep_maxnreg=128, wu_warps=8, state_warps=4, state_stages=2,
-              bwd_states="fp32", state_prec="tf32", bwd_prec="tf32", score_prec="tf32",
+# ``save_prep``: what the forward keeps for the backward besides q, k, v, z: "none" (recompute the
+# prep), "inverse" (the UT inverse and Aqk, ~0.4x the inputs' bytes: only the prep's elementwise
+# part is recomputed) or "all" (every prep output, ~1.4x; measured 18.50 -> 15.72 ms at B=8,T=4K).
+TUNING = dict(save_prep="none", prep_warps=8, prep_bk=16, prep_maxnreg=128, wu_warps=8, state_warps=4,
+              state_stages=2, bwd_states="fp32", state_prec="tf32", bwd_prec="tf32", score_prec="tf32",
               vside_warps=8, vside_bv=64, vside_maxnreg=0, kside_warps=4, kside_bk=16, kside_unroll=1,
               kside_maxnreg=0)
-_TEXT_TUNING = ("bwd_states", "state_prec", "bwd_prec", "score_prec")
+_PRECISIONS = ("tf32", "tf32x3", "ieee")
+_TEXT_TUNING = {"save_prep": ("none", "inverse", "all"), "bwd_states": ("fp32", "bf16"),
+                "state_prec": ("tf32", "bf16"), "bwd_prec": _PRECISIONS, "score_prec": _PRECISIONS}
 
 
 def parse_tuning(text: str) -> dict:
@@ -53,6 +56,8 @@ def parse_tuning(text: str) -> dict:
         key, sep, value = item.partition("=")
         if not sep or key not in TUNING:
             raise ValueError(f"KDA tuning item {item!r}: expected key=value with key one of {sorted(TUNING)}")
+        if key in _TEXT_TUNING and value not in _TEXT_TUNING[key]:
+            raise ValueError(f"KDA tuning item {item!r}: {key} is one of {_TEXT_TUNING[key]}")
         out[key] = value if key in _TEXT_TUNING else int(value)
     return out
 
@@ -162,7 +167,10 @@ def _config(q: Tensor, v: Tensor) -> dict:
                 BV=min(64, q.shape[-1], v.shape[-1]))
 
 
-def _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan: _Plan, flags: _Flags, cfg: dict, store_x: bool):
+def _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan: _Plan, flags: _Flags, cfg: dict,
+          scores: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, ...]:
+    """W, U, Gamma Q, Gamma_C / Gamma K, Aqk, Gamma_C and the UT inverse X of every chunk. With
+    ``scores`` = (Aqk, X) kept from the forward, only the elementwise outputs are computed."""
     total, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     inter = cfg["inter"]
@@ -170,9 +178,12 @@ def _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan: _Plan, flags: _Flags, cfg
     qg = torch.empty_like(w)
     kend = torch.empty_like(w)
     u = torch.empty(total, heads, value_dim, device=q.device, dtype=inter)
-    aqk = torch.empty(total, heads, CHUNK, device=q.device, dtype=inter)
     gc = torch.empty(plan.num_chunks, heads, key_dim, device=q.device, dtype=torch.float32)
-    x = torch.empty(plan.num_chunks, heads, CHUNK, CHUNK, device=q.device, dtype=torch.float32)
+    if scores is None:
+        aqk = torch.empty(total, heads, CHUNK, device=q.device, dtype=inter)
+        x = torch.empty(plan.num_chunks, heads, CHUNK, CHUNK, device=q.device, dtype=torch.float32)
+    else:
+        aqk, x = scores
     a_log = A_log if A_log is not None else gc
     dtb = dt_bias if dt_bias is not None else gc
     grid = (plan.num_chunks, heads)
@@ -181,12 +192,12 @@ def _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan: _Plan, flags: _Flags, cfg
                                   flags.scale, flags.lower_bound, heads, K=key_dim, BK=min(TUNING["prep_bk"], key_dim),
                                   BT=CHUNK, GATE_IN_KERNEL=flags.gate_in_kernel, HAS_DT_BIAS=dt_bias is not None,
                                   L2NORM=flags.l2norm, BETA_SIGMOID=flags.beta_sigmoid, DOT_PREC=cfg["dot"],
-                                  INV_PREC="ieee", num_warps=TUNING["prep_warps"], num_stages=1,
-                                  **_register_cap("prep"))
+                                  INV_PREC="ieee", SCORES=scores is None, num_warps=TUNING["prep_warps"],
+                                  num_stages=1, **_register_cap("prep"))
     kt._wu_kernel[grid](v, beta, x, plan.chunk_bos, plan.chunk_eos, w, u, heads, K=key_dim, V=value_dim, BT=CHUNK,
                         BC=min(64, key_dim, value_dim), BETA_SIGMOID=flags.beta_sigmoid, DOT_PREC=cfg["dot"],
                         num_warps=TUNING["wu_warps"], num_stages=2)
-    return w, u, qg, kend, aqk, gc, (x if store_x else None)
+    return w, u, qg, kend, aqk, gc, x
 
 
 def _state_operand(kt, w: Tensor, backward: bool):
@@ -296,8 +307,8 @@ class _ChunkKDAFunction(torch.autograd.Function):
         from moe_lc_kernels import kda_triton as kt
 
         cfg = _config(q, v)
-        prep = _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan, flags, cfg, True)
-        w, u, qg, kend, aqk, gc, _ = prep
+        prep = _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan, flags, cfg)
+        w, u, qg, kend, aqk, gc, x = prep
         init = None if initial_state is None else initial_state.float().contiguous()
         transitions = None
         if plan.segmented:
@@ -307,9 +318,8 @@ class _ChunkKDAFunction(torch.autograd.Function):
         o = torch.empty_like(v)
         seg_end = _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, init=seg_init, transition=False, out=o)
         final = seg_end[plan.last_seg]
-        # save_prep: keep the prep outputs for the backward (~1.4x the inputs' bytes) instead of recomputing them
-        ctx.save_for_backward(q, k, v, gz, beta, A_log, dt_bias, seg_init, transitions,
-                              *(prep if TUNING["save_prep"] else ()))
+        kept = {"none": (), "inverse": (aqk, x), "all": prep}[TUNING["save_prep"]]
+        ctx.save_for_backward(q, k, v, gz, beta, A_log, dt_bias, seg_init, transitions, *kept)
         ctx.plan, ctx.flags, ctx.has_init = plan, flags, initial_state is not None
         ctx.init_dtype = None if initial_state is None else initial_state.dtype
         return o, final
@@ -318,14 +328,18 @@ class _ChunkKDAFunction(torch.autograd.Function):
     def backward(ctx, do, dfinal):
         from moe_lc_kernels import kda_triton as kt
 
-        q, k, v, gz, beta, A_log, dt_bias, seg_init, transitions, *prep = ctx.saved_tensors
+        q, k, v, gz, beta, A_log, dt_bias, seg_init, transitions, *kept = ctx.saved_tensors
         plan, flags = ctx.plan, ctx.flags
         cfg = _config(q, v)
         total, heads, key_dim = q.shape
         value_dim = v.shape[-1]
         bv = cfg["BV"]
         do = do.contiguous()
-        w, u, qg, kend, aqk, gc, x = prep or _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan, flags, cfg, True)
+        if len(kept) == 7:  # save_prep="all"
+            w, u, qg, kend, aqk, gc, x = kept
+        else:  # "inverse" hands back (Aqk, X); "none" nothing
+            w, u, qg, kend, aqk, gc, x = _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan, flags, cfg,
+                                               scores=tuple(kept) or None)
         bwd_dtype = torch.float32 if TUNING["bwd_states"] == "fp32" else cfg["inter"]
         states = torch.empty(plan.num_chunks, heads, key_dim, value_dim, device=q.device, dtype=bwd_dtype)
         _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, init=seg_init, transition=False, states=states)

@@ -161,47 +161,10 @@ def _row_norms(x, bos, eos, h, H, K: tl.constexpr, BK: tl.constexpr, BT: tl.cons
 
 
 @triton.jit
-def _prep_blocked_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
-                         kg_out, qg_out, kend_out, aqk_out, gc_out, x_out,
-                         scale, lower_bound, H,
-                         K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                         GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
-                         BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr):
-    """Per chunk: Gamma Q, Gamma K, Gamma_C / Gamma K, Gamma_C, Aqk and X = (I + Diag(b) R)^-1.
-
-    Everything but the row norms is separable over the key dimension, so the scores are summed
-    over blocks of BK key columns ([BT, BK] tiles: few live registers). The inverse then works on
-    16x16 blocks: A goes through ``x_out`` (this program's own scratch), X_aa = (I + A_aa)^-1 as a
-    product of powers and X_ab = -X_aa sum_{b<=c<a} A_ac X_cb, all exact fp32 products. W and U
-    follow in ``_wu_kernel``.
-    """
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    bos, eos, rows, valid = _chunk_rows(chunk_bos, chunk_eos, c, BT)
+def _scores_and_inverse(R, Aqk, beta, aqk_out, x_out, c, h, H, bos, rows, valid,
+                        BT: tl.constexpr, BETA_SIGMOID: tl.constexpr, INV_PREC: tl.constexpr):
+    """Masks and stores Aqk, and writes X = (I + Diag(b) R)^-1 to ``x_out`` by 16x16 blocks."""
     m2 = valid[:, None]
-    if L2NORM:
-        rq = _row_norms(q, bos, eos, h, H, K, BK, BT) * scale
-        rk = _row_norms(k, bos, eos, h, H, K, BK, BT)
-    else:
-        rq = tl.full([BT], 1.0, tl.float32) * scale
-        rk = tl.full([BT], 1.0, tl.float32)
-    R = tl.zeros([BT, BT], dtype=tl.float32)
-    Aqk = tl.zeros([BT, BT], dtype=tl.float32)
-    for kb in tl.static_range(K // BK):
-        cols = kb * BK + tl.arange(0, BK)
-        offs = ((bos + rows)[:, None] * H + h) * K + cols[None, :]
-        qv = tl.load(q + offs, mask=m2, other=0.0).to(tl.float32) * rq[:, None]
-        kv = tl.load(k + offs, mask=m2, other=0.0).to(tl.float32) * rk[:, None]
-        zv = tl.load(gz + offs, mask=m2, other=0.0).to(tl.float32)
-        g, _, _ = _gate(zv, A_log, dt_bias, h, cols, lower_bound, K, GATE_IN_KERNEL, HAS_DT_BIAS)
-        G = tl.cumsum(tl.where(m2, g, 0.0), axis=0)
-        R, Aqk = _add_scores(qv, kv, G, rows, R, Aqk, BT, DOT_PREC)
-        eG = tl.exp(G)
-        GC = tl.sum(tl.where(rows[:, None] == BT - 1, G, 0.0), axis=0)
-        tl.store(qg_out + offs, (qv * eG).to(qg_out.dtype.element_ty), mask=m2)
-        tl.store(kg_out + offs, (kv * eG).to(kg_out.dtype.element_ty), mask=m2)
-        tl.store(kend_out + offs, (kv * tl.exp(GC[None, :] - G)).to(kend_out.dtype.element_ty), mask=m2)
-        tl.store(gc_out + (c.to(tl.int64) * H + h) * K + cols, tl.exp(GC))
     bv = tl.load(beta + (bos + rows) * H + h, mask=valid, other=0.0).to(tl.float32)
     if BETA_SIGMOID:
         bv = tl.sigmoid(bv)
@@ -242,6 +205,56 @@ def _prep_blocked_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
     tl.store(_block(x_out, xbase, 3, 1, BT), X31)
     tl.store(_block(x_out, xbase, 3, 2, BT), X32)
     tl.store(_block(x_out, xbase, 3, 3, BT), X33)
+
+
+@triton.jit
+def _prep_blocked_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
+                         kg_out, qg_out, kend_out, aqk_out, gc_out, x_out,
+                         scale, lower_bound, H,
+                         K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                         GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
+                         BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr,
+                         SCORES: tl.constexpr = True):
+    """Per chunk: Gamma Q, Gamma K, Gamma_C / Gamma K, Gamma_C, and (with SCORES) Aqk and
+    X = (I + Diag(b) R)^-1; without SCORES only the elementwise outputs (Aqk and X kept from the forward).
+
+    Everything but the row norms is separable over the key dimension, so the scores are summed
+    over blocks of BK key columns ([BT, BK] tiles: few live registers). The inverse then works on
+    16x16 blocks: A goes through ``x_out`` (this program's own scratch), X_aa = (I + A_aa)^-1 as a
+    product of powers and X_ab = -X_aa sum_{b<=c<a} A_ac X_cb, all exact fp32 products. W and U
+    follow in ``_wu_kernel``.
+    """
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    bos, eos, rows, valid = _chunk_rows(chunk_bos, chunk_eos, c, BT)
+    m2 = valid[:, None]
+    if L2NORM:
+        rq = _row_norms(q, bos, eos, h, H, K, BK, BT) * scale
+        rk = _row_norms(k, bos, eos, h, H, K, BK, BT)
+    else:
+        rq = tl.full([BT], 1.0, tl.float32) * scale
+        rk = tl.full([BT], 1.0, tl.float32)
+    R = tl.zeros([BT, BT], dtype=tl.float32)
+    Aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    for kb in tl.static_range(K // BK):
+        cols = kb * BK + tl.arange(0, BK)
+        offs = ((bos + rows)[:, None] * H + h) * K + cols[None, :]
+        qv = tl.load(q + offs, mask=m2, other=0.0).to(tl.float32) * rq[:, None]
+        kv = tl.load(k + offs, mask=m2, other=0.0).to(tl.float32) * rk[:, None]
+        zv = tl.load(gz + offs, mask=m2, other=0.0).to(tl.float32)
+        g, _, _ = _gate(zv, A_log, dt_bias, h, cols, lower_bound, K, GATE_IN_KERNEL, HAS_DT_BIAS)
+        G = tl.cumsum(tl.where(m2, g, 0.0), axis=0)
+        if SCORES:
+            R, Aqk = _add_scores(qv, kv, G, rows, R, Aqk, BT, DOT_PREC)
+        eG = tl.exp(G)
+        GC = tl.sum(tl.where(rows[:, None] == BT - 1, G, 0.0), axis=0)
+        tl.store(qg_out + offs, (qv * eG).to(qg_out.dtype.element_ty), mask=m2)
+        tl.store(kg_out + offs, (kv * eG).to(kg_out.dtype.element_ty), mask=m2)
+        tl.store(kend_out + offs, (kv * tl.exp(GC[None, :] - G)).to(kend_out.dtype.element_ty), mask=m2)
+        tl.store(gc_out + (c.to(tl.int64) * H + h) * K + cols, tl.exp(GC))
+    if SCORES:
+        _scores_and_inverse(R, Aqk, beta, aqk_out, x_out, c, h, H, bos, rows, valid, BT, BETA_SIGMOID, INV_PREC)
+
 
 @triton.jit
 def _wu_kernel(v, beta, x, chunk_bos, chunk_eos, w, u, H,

@@ -89,9 +89,10 @@ def test_fused_matches_float64_with_states(segment_chunks):
     assert_matches(x, h0, out, final, *fused_reference(x, h0, None))
 
 
-def test_saved_prep_gives_the_same_gradients(monkeypatch):
-    """save_prep=1 keeps the forward's prep outputs instead of recomputing them in the backward:
-    the same kernels on the same inputs, so the gradients must be bit-identical."""
+@pytest.mark.parametrize("save_prep", ["inverse", "all"])
+def test_saved_prep_gives_the_same_gradients(monkeypatch, save_prep):
+    """save_prep keeps some or all of the forward's prep outputs instead of recomputing them in the
+    backward: the same kernels on the same inputs, so the gradients must be bit-identical."""
     from moe_lc_kernels import kda as kda_mod
 
     cu = torch.tensor([0, 90, 200], dtype=torch.int32, device=DEVICE)
@@ -104,7 +105,7 @@ def test_saved_prep_gives_the_same_gradients(monkeypatch):
         return torch.autograd.grad(out.square().sum() + final.sum(), [*(x[n] for n in names), h0])
 
     recomputed = grads()
-    monkeypatch.setitem(kda_mod.TUNING, "save_prep", 1)
+    monkeypatch.setitem(kda_mod.TUNING, "save_prep", save_prep)
     saved = grads()
     for n, a, b in zip([*names, "h0"], recomputed, saved):
         assert torch.equal(a, b), n
@@ -265,6 +266,8 @@ def test_clear_errors():
     assert parse_tuning("bwd_prec=tf32x3,kside_warps=8") == {"bwd_prec": "tf32x3", "kside_warps": 8}
     with pytest.raises(ValueError, match="score_prec"):  # the message lists the known keys
         parse_tuning("intra_prec=tf32")
+    with pytest.raises(ValueError, match="save_prep is one of"):
+        parse_tuning("save_prep=1")
 
 
 def test_import_needs_neither_gpu_nor_triton():

@@ -46,7 +46,7 @@ def main() -> int:
             apply(variant, base)
             try:
                 prep = b.time_fn(lambda: K._prep(kt, *flat, x["A_log"].detach(), x["dt_bias"].detach(), plan, flags,
-                                                 cfg, False), warmup=5, rep=30)
+                                                 cfg), warmup=5, rep=30)
                 with torch.no_grad():
                     fwd = b.time_fn(lambda: b.ours(x, cu), warmup=5, rep=30)
                 run = b.fwd_bwd(b.ours, x, cu)
