@@ -8,6 +8,7 @@ Every check compares outputs, final states and the gradients of every input with
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -293,3 +294,20 @@ def test_every_kernel_compiles_for_sm90_within_shared_memory():
     for name, r in rows.items():
         assert r["shared_kb"] <= 227 and r["regs"] <= 255, (name, r)
     assert rows["kside"]["seconds"] < 120, rows["kside"]  # fully unrolled key blocks took 224 s
+
+
+@pytest.mark.timeout(300)
+def test_sass_line_report_attributes_instructions_to_kernel_lines():
+    """kernels/bench/sass_lines.py (the instruction-count proxy used to cut the key-side kernel)
+    compiles a kernel for sm_90 and attributes its SASS to lines of kernels/kda_triton.py."""
+    pytest.importorskip("triton.backends.nvidia")
+    script = os.path.join(os.path.dirname(__file__), "..", "kernels", "bench", "sass_lines.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, script, "--kernel", "wu", "--top", "5"], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    total = int(re.search(r"(\d+) SASS instructions per warp", lines[0]).group(1))
+    counts = [int(line.split()[0]) for line in lines[1:6]]
+    assert total > 100 and all(c > 0 for c in counts) and sum(counts) <= total, done.stdout
+    assert all("kda_triton.py:" in line for line in lines[1:6]), done.stdout

@@ -1,5 +1,6 @@
 """Compile every KDA kernel for an H100/H200 (sm_90) on any machine, no GPU needed, and report
-compile seconds, registers, stack frame (spills) and shared memory per kernel.
+compile seconds, registers, stack frame (spills), shared memory and SASS instructions per kernel
+(static count per warp; kernels/bench/sass_lines.py splits it by source line and loop).
 
     python kernels/bench/compile_report.py [--kernels kside,vside] [--tuning 'kside_unroll=8']
 
@@ -78,22 +79,41 @@ def signature(fn, constexprs: dict, fp32: set) -> dict:
     return {name: kind(name) for name in fn.arg_names}
 
 
-def compile_one(fn, constexprs: dict, fp32: set, warps: int, stages: int, maxnreg: int = 0) -> dict:
+def nvidia_tool(name: str) -> str:
+    """Path of a tool bundled with Triton's NVIDIA backend (cuobjdump, nvdisasm)."""
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def compile_kernel(fn, constexprs: dict, fp32: set, warps: int, stages: int, maxnreg: int = 0):
+    """(compiled kernel, seconds) for sm_90 with the launch options kernels/kda.py uses."""
     sig = signature(fn, constexprs, fp32)
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if sig[name].startswith("*")}
     start = time.time()
     options = dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=aligned),
                               target=GPUTarget("cuda", 90, 128), options=options)
-    seconds = time.time() - start
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return compiled, time.time() - start
+
+
+def cubin_tool(compiled, *command: str) -> str:
+    """Output of a cuobjdump / nvdisasm command line run on the compiled cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([nvidia_tool(command[0]), *command[1:], f.name], capture_output=True, text=True).stdout
+
+
+SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)$")
+
+
+def compile_one(fn, constexprs: dict, fp32: set, warps: int, stages: int, maxnreg: int = 0) -> dict:
+    compiled, seconds = compile_kernel(fn, constexprs, fp32, warps, stages, maxnreg)
+    usage = cubin_tool(compiled, "cuobjdump", "--dump-resource-usage")
     match = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    sass = cubin_tool(compiled, "cuobjdump", "-sass").splitlines()
     return dict(seconds=seconds, regs=int(match.group(1)), stack=int(match.group(2)),
-                shared_kb=compiled.metadata.shared / 1024, warps=warps)
+                shared_kb=compiled.metadata.shared / 1024, warps=warps,
+                instructions=sum(1 for line in sass if SASS_LINE.match(line)))
 
 
 def main(argv=None) -> int:
@@ -106,14 +126,15 @@ def main(argv=None) -> int:
     table = launches(tuning)
     if not args.json:
         print(f"sm_90, Triton {triton.__version__}, tuning overrides: {args.tuning or 'none'}")
-        print("| kernel | warps | compile s | regs | stack B | shared KB |\n|---|---|---|---|---|---|")
+        print("| kernel | warps | compile s | regs | stack B | shared KB | SASS instructions |\n"
+              "|---|---|---|---|---|---|---|")
     for name in args.kernels.split(","):
         r = compile_one(*table[name])
         if args.json:
             print(json.dumps(dict(kernel=name, **r)), flush=True)
         else:
-            print(f"| {name} | {r['warps']} | {r['seconds']:.1f} | {r['regs']} | {r['stack']} | {r['shared_kb']:.1f} |",
-                  flush=True)
+            print(f"| {name} | {r['warps']} | {r['seconds']:.1f} | {r['regs']} | {r['stack']} | {r['shared_kb']:.1f} "
+                  f"| {r['instructions']} |", flush=True)
     return 0
 
 
