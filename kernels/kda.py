@@ -200,12 +200,14 @@ def _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan: _Plan, flags: _Flags, cfg
     return w, u, qg, kend, aqk, gc, x
 
 
-def _state_operand(kt, w: Tensor, backward: bool):
+def _state_operand(w: Tensor, backward: bool):
     """Operand dtype of the state-pass products: the intermediates' dtype, or fp32 (tf32 products)
     in the backward's passes with ``state_prec="tf32"``."""
+    import triton.language as tl  # here, not at import: moe_lc_kernels imports without Triton
+
     if w.dtype == torch.float32 or (backward and TUNING["state_prec"] == "tf32"):
-        return kt.tl.float32
-    return kt.tl.bfloat16
+        return tl.float32
+    return tl.bfloat16
 
 
 def _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, *, init, transition, out=None, states=None):
@@ -222,7 +224,7 @@ def _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, *, init, transition, out=
         plan.seg_chunk0, plan.seg_nchunks, plan.seg_bos, plan.seg_eos, heads,
         K=key_dim, V=value_dim, BV=bv, BT=CHUNK, V_END=v_end, HAS_INIT=init is not None,
         TRANSITION=transition, STORE_OUTPUT=out is not None, STORE_STATES=states is not None,
-        DOT_PREC=cfg["dot"], OPD=_state_operand(kt, w, states is not None),
+        DOT_PREC=cfg["dot"], OPD=_state_operand(w, states is not None),
         num_warps=TUNING["state_warps"], num_stages=TUNING["state_stages"],
     )
     return seg_end
@@ -350,7 +352,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
         dfinal = None if dfinal is None else dfinal.float().contiguous()
         grid = (value_dim // bv, plan.num_segments * heads)
         common = dict(K=key_dim, V=value_dim, BV=bv, BT=CHUNK, DOT_PREC=cfg["dot"],
-                      OPD=_state_operand(kt, w, True), num_warps=TUNING["state_warps"],
+                      OPD=_state_operand(w, True), num_warps=TUNING["state_warps"],
                       num_stages=TUNING["state_stages"])
         if plan.segmented:
             dpart = torch.empty_like(dstart)
