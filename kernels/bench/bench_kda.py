@@ -27,7 +27,7 @@ import torch
 
 from moe_lc.ops.kda import chunk_kda as reference_chunk_kda
 from moe_lc.ops.kda import kda_gate
-from moe_lc_kernels.kda import CHUNK, chunk_kda_fused
+from moe_lc_kernels.kda import CHUNK, TUNING, chunk_kda_fused
 
 LOWER_BOUND = -5.0
 SHAPES = {  # name: (B, T, H, per-document lengths or None)
@@ -299,7 +299,8 @@ def main(argv=None):
     device = torch.device("cuda")
     import triton
 
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "tuning": dict(TUNING)}  # the launch choices the table ran with (MOE_LC_KDA_TUNING included)
     try:
         import fla
 
