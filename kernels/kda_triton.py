@@ -388,22 +388,30 @@ def _state_bwd_kernel(qg, w, kend, aqk, gc, do, dh, ddelta, seg_init, seg_start_
 
 
 @triton.jit
-def _score_grads_tile(dA_t, dAqk_t, kn_scr, kff, qff, f, bv, kv, cols, bos, eos, pk, pq, db, drow,
-                      H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, b: tl.constexpr, PREC: tl.constexpr):
+def _score_grads_tile(dA_t, dAqk_t, kn_scr, kf, qs, G, rho, rows, bv, kv, cols, bos, eos, pk, pq, db, drow,
+                      H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, b: tl.constexpr, PREC: tl.constexpr,
+                      ROUND: tl.constexpr):
     """Backward of key tile b of R and Aqk (see _bwd_kside_kernel), contracting over the tile's 16 keys only.
 
     ``dA_t`` / ``dAqk_t`` point at the [64, 64] score gradients; their columns of tile b are loaded as
     [64, 16] slabs (and transposed as [16, 64]). ``kn_scr`` holds K / Gamma relative to each row's
-    tile start for this block of columns; tile b's rows are loaded from it. ``kff`` = b K F_b and
-    ``qff`` = Q F_b are the row-side operands. At tf32 the caller has rounded every operand (scores
-    included) so that each product is formed from the same tf32 values in both orientations.
-    Returns the accumulators and the [16, BK] gradient of the tile's K / Gamma rows, for the caller
-    to place in rows 16b..16b+15.
+    tile start for this block of columns; tile b's rows are read from it and then overwritten with
+    their gradient (no other tile reads them). The row-side operands are b K F_b and Q F_b, with
+    F_b = exp(G - rho) from the tile's start rho (0 for tile 0). At tf32 every operand is rounded
+    once (the scores by the caller) so that each product is formed from the same tf32 values in
+    both orientations. Returns the accumulators.
     """
+    if b == 0:
+        f = tl.exp(G)  # the caller's exp(G), shared by the compiler
+    else:
+        f = _from_tile(G, rho, rows, b * 16)
+    kff = _to_tf32(kf * f, ROUND)
+    qff = _to_tf32(qs * f, ROUND)
     cb = tl.arange(0, BT)
     trow = b * TILE + tl.arange(0, TILE)
     tvalid = ((bos + trow) < eos)[:, None]
-    kn_t = tl.load(kn_scr + trow[:, None] * (H * K) + cols[None, :], mask=tvalid, other=0.0)
+    tile_rows = kn_scr + trow[:, None] * (H * K) + cols[None, :]
+    kn_t = tl.load(tile_rows, mask=tvalid, other=0.0)
     dA_b = tl.load(dA_t + cb[:, None] * BT + trow[None, :])  # [64, 16]: columns of tile b
     dAqk_b = tl.load(dAqk_t + cb[:, None] * BT + trow[None, :])
     u = tl.dot(dA_b, kn_t, input_precision=PREC)
@@ -415,15 +423,23 @@ def _score_grads_tile(dA_t, dAqk_t, kn_scr, kff, qff, f, bv, kv, cols, bos, eos,
     dA_bt = tl.load(dA_t + cb[None, :] * BT + trow[:, None])  # [16, 64]: the same slabs transposed
     dAqk_bt = tl.load(dAqk_t + cb[None, :] * BT + trow[:, None])
     dkn_t = tl.dot(dA_bt, kff, input_precision=PREC) + tl.dot(dAqk_bt, qff, input_precision=PREC)
-    return pk, pq, db, drow, dkn_t
+    tl.debug_barrier()  # every thread has read the tile's K / Gamma rows
+    tl.store(tile_rows, dkn_t, mask=tvalid)
+    return pk, pq, db, drow
 
 
 @triton.jit
-def _park_rows(ptr, tok, trow_start: tl.constexpr, cols, bos, eos, x, H: tl.constexpr, K: tl.constexpr):
-    """Store a [16, BK] tile into rows trow_start.. of a [T, H, K] scratch (valid rows only)."""
-    trow = trow_start + tl.arange(0, TILE)
-    tvalid = (bos + trow) < eos
-    tl.store(ptr + tok + trow[:, None] * (H * K) + cols[None, :], x, mask=tvalid[:, None])
+def _tile_rho(r1, r2, r3, b: tl.constexpr):
+    """rho_b for key tile b (tile 0 starts at G = 0)."""
+    if b == 1:
+        rho = r1
+    elif b == 2:
+        rho = r2
+    elif b == 3:
+        rho = r3
+    else:
+        rho = tl.zeros_like(r1)
+    return rho
 
 
 # ----------------------------------------------------------------------------- backward, parallel part
@@ -603,29 +619,10 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
         pk = tl.zeros([BT, BK], dtype=tl.float32)
         pq = tl.zeros([BT, BK], dtype=tl.float32)
         drow = tl.zeros([BT, BK], dtype=tl.float32)
-        kn_scr = dw_in + tok
-        # Key tile b's decay from its start, F_b = exp(G - rho_b) (tile 0: exp(G)), on the row operands.
-        pk, pq, db, drow, t0 = _score_grads_tile(dA_t, dAqk_t, kn_scr, _to_tf32(kf * eG, ROUND),
-                                                 _to_tf32(qs * eG, ROUND), eG, bv, kv, cols, bos, eos,
-                                                 pk, pq, db, drow, H, K, BT, 0, SCORE_PREC)
-        f = _from_tile(G, r1, rows, 16)
-        pk, pq, db, drow, t1 = _score_grads_tile(dA_t, dAqk_t, kn_scr, _to_tf32(kf * f, ROUND),
-                                                 _to_tf32(qs * f, ROUND), f, bv, kv, cols, bos, eos,
-                                                 pk, pq, db, drow, H, K, BT, 1, SCORE_PREC)
-        f = _from_tile(G, r2, rows, 32)
-        pk, pq, db, drow, t2 = _score_grads_tile(dA_t, dAqk_t, kn_scr, _to_tf32(kf * f, ROUND),
-                                                 _to_tf32(qs * f, ROUND), f, bv, kv, cols, bos, eos,
-                                                 pk, pq, db, drow, H, K, BT, 2, SCORE_PREC)
-        f = _from_tile(G, r3, rows, 48)
-        pk, pq, db, drow, t3 = _score_grads_tile(dA_t, dAqk_t, kn_scr, _to_tf32(kf * f, ROUND),
-                                                 _to_tf32(qs * f, ROUND), f, bv, kv, cols, bos, eos,
-                                                 pk, pq, db, drow, H, K, BT, 3, SCORE_PREC)
-        # The four 16-row tiles of d(K / Gamma) back into one [64, BK] block, over the K / Gamma rows.
-        tl.debug_barrier()
-        _park_rows(dw_in, tok, 0, cols, bos, eos, t0, H, K)
-        _park_rows(dw_in, tok, 16, cols, bos, eos, t1, H, K)
-        _park_rows(dw_in, tok, 32, cols, bos, eos, t2, H, K)
-        _park_rows(dw_in, tok, 48, cols, bos, eos, t3, H, K)
+        for b in tl.static_range(BT // 16):  # each key tile leaves d(K / Gamma) of its rows in the scratch
+            pk, pq, db, drow = _score_grads_tile(dA_t, dAqk_t, dw_in + tok, kf, qs, G, _tile_rho(r1, r2, r3, b),
+                                                 rows, bv, kv, cols, bos, eos, pk, pq, db, drow, H, K, BT, b,
+                                                 SCORE_PREC, ROUND)
         dqg = tl.load(dqg_in + tok + offs, mask=m2, other=0.0)
         dke = tl.load(dkend_in + tok + offs, mask=m2, other=0.0)
         GC = tl.sum(g, axis=0)
