@@ -86,6 +86,20 @@ def _from_tile(G, rho, rows, start: tl.constexpr):
 
 
 @triton.jit
+def _tile_decay(G, r1, r2, r3, rows, b: tl.constexpr):
+    """F_b = exp(G - rho_b) for rows at or after key tile b's start (0 before); tile 0 starts at G = 0."""
+    if b == 0:
+        f = tl.exp(G)
+    elif b == 1:
+        f = _from_tile(G, r1, rows, 16)
+    elif b == 2:
+        f = _from_tile(G, r2, rows, 32)
+    else:
+        f = _from_tile(G, r3, rows, 48)
+    return f
+
+
+@triton.jit
 def _in_tile(x, rows, b: tl.constexpr):
     return tl.where((rows // 16)[:, None] == b, x, 0.0)
 
@@ -105,10 +119,8 @@ def _add_scores(qs, kv, G, rows, R, Aqk, BT: tl.constexpr, DOT_PREC: tl.constexp
     per key tile (unmasked: the caller masks once after summing every block of columns)."""
     r1, r2, r3, rho_row = _tile_start(G, rows, BT)
     kn = kv * tl.exp(rho_row - G)  # K / Gamma relative to the own tile's start: <= e^(16 |g_min|)
-    R, Aqk = _add_tile_scores(qs, kv, kn, tl.exp(G), rows, 0, R, Aqk, DOT_PREC)
-    R, Aqk = _add_tile_scores(qs, kv, kn, _from_tile(G, r1, rows, 16), rows, 1, R, Aqk, DOT_PREC)
-    R, Aqk = _add_tile_scores(qs, kv, kn, _from_tile(G, r2, rows, 32), rows, 2, R, Aqk, DOT_PREC)
-    R, Aqk = _add_tile_scores(qs, kv, kn, _from_tile(G, r3, rows, 48), rows, 3, R, Aqk, DOT_PREC)
+    for b in tl.static_range(BT // 16):
+        R, Aqk = _add_tile_scores(qs, kv, kn, _tile_decay(G, r1, r2, r3, rows, b), rows, b, R, Aqk, DOT_PREC)
     return R, Aqk
 
 
@@ -244,8 +256,7 @@ def _prep_blocked_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
         zv = tl.load(gz + offs, mask=m2, other=0.0).to(tl.float32)
         g, _, _ = _gate(zv, A_log, dt_bias, h, cols, lower_bound, K, GATE_IN_KERNEL, HAS_DT_BIAS)
         G = tl.cumsum(tl.where(m2, g, 0.0), axis=0)
-        if SCORES:
-            R, Aqk = _add_scores(qv, kv, G, rows, R, Aqk, BT, DOT_PREC)
+        R, Aqk = _add_scores(qv, kv, G, rows, R, Aqk, BT, DOT_PREC)  # dead code without SCORES: removed
         eG = tl.exp(G)
         GC = tl.sum(tl.where(rows[:, None] == BT - 1, G, 0.0), axis=0)
         tl.store(qg_out + offs, (qv * eG).to(qg_out.dtype.element_ty), mask=m2)
@@ -388,7 +399,7 @@ def _state_bwd_kernel(qg, w, kend, aqk, gc, do, dh, ddelta, seg_init, seg_start_
 
 
 @triton.jit
-def _score_grads_tile(dA_t, dAqk_t, kn_scr, kf, qs, G, rho, rows, bv, kv, cols, bos, eos, pk, pq, db, drow,
+def _score_grads_tile(dA_t, dAqk_t, kn_scr, kf, qs, f, bv, kv, cols, bos, eos, pk, pq, db, drow,
                       H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, b: tl.constexpr, PREC: tl.constexpr,
                       ROUND: tl.constexpr):
     """Backward of key tile b of R and Aqk (see _bwd_kside_kernel), contracting over the tile's 16 keys only.
@@ -397,14 +408,10 @@ def _score_grads_tile(dA_t, dAqk_t, kn_scr, kf, qs, G, rho, rows, bv, kv, cols, 
     [64, 16] slabs (and transposed as [16, 64]). ``kn_scr`` holds K / Gamma relative to each row's
     tile start for this block of columns; tile b's rows are read from it and then overwritten with
     their gradient (no other tile reads them). The row-side operands are b K F_b and Q F_b, with
-    F_b = exp(G - rho) from the tile's start rho (0 for tile 0). At tf32 every operand is rounded
+    F_b = ``f`` the decay from the tile's start (_tile_decay). At tf32 every operand is rounded
     once (the scores by the caller) so that each product is formed from the same tf32 values in
     both orientations. Returns the accumulators.
     """
-    if b == 0:
-        f = tl.exp(G)  # the caller's exp(G), shared by the compiler
-    else:
-        f = _from_tile(G, rho, rows, b * 16)
     kff = _to_tf32(kf * f, ROUND)
     qff = _to_tf32(qs * f, ROUND)
     cb = tl.arange(0, BT)
@@ -428,27 +435,6 @@ def _score_grads_tile(dA_t, dAqk_t, kn_scr, kf, qs, G, rho, rows, bv, kv, cols, 
     return pk, pq, db, drow
 
 
-@triton.jit
-def _tile_rho(r1, r2, r3, b: tl.constexpr):
-    """rho_b for key tile b (tile 0 starts at G = 0)."""
-    if b == 1:
-        rho = r1
-    elif b == 2:
-        rho = r2
-    elif b == 3:
-        rho = r3
-    else:
-        rho = tl.zeros_like(r1)
-    return rho
-
-
-# ----------------------------------------------------------------------------- backward, parallel part
-# One kernel holding every per-chunk gradient at once needed 160 KB of shared memory at d=128 (one
-# program per SM, register spills). So two kernels with few live tiles: _bwd_vside_kernel does
-# the V-contractions (fp32 scratch out), _bwd_kside_kernel the rest,
-# one block of key columns at a time. Addresses are a scalar int64 base plus int32 tile offsets
-# made where they are used: a [64, 128] tile of 64-bit addresses kept live costs 128 registers
-# per thread at 4 warps. H is a compile-time constant so that row strides are immediates.
 @triton.jit
 def _bwd_vside_kernel(v, beta, chunk_bos, chunk_eos, x_in, w, states, dh, ddelta, do,
                       dv, dqg_out, dw_out, dkend_out, daqk_out, dt_out, dgc_out, H: tl.constexpr,
@@ -620,9 +606,9 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
         pq = tl.zeros([BT, BK], dtype=tl.float32)
         drow = tl.zeros([BT, BK], dtype=tl.float32)
         for b in tl.static_range(BT // 16):  # each key tile leaves d(K / Gamma) of its rows in the scratch
-            pk, pq, db, drow = _score_grads_tile(dA_t, dAqk_t, dw_in + tok, kf, qs, G, _tile_rho(r1, r2, r3, b),
-                                                 rows, bv, kv, cols, bos, eos, pk, pq, db, drow, H, K, BT, b,
-                                                 SCORE_PREC, ROUND)
+            pk, pq, db, drow = _score_grads_tile(dA_t, dAqk_t, dw_in + tok, kf, qs, _tile_decay(G, r1, r2, r3, rows, b),
+                                                 bv, kv, cols, bos, eos, pk, pq, db, drow, H, K, BT, b, SCORE_PREC,
+                                                 ROUND)
         dqg = tl.load(dqg_in + tok + offs, mask=m2, other=0.0)
         dke = tl.load(dkend_in + tok + offs, mask=m2, other=0.0)
         GC = tl.sum(g, axis=0)
