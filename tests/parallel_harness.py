@@ -93,7 +93,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         for p in procs:
             if p.is_alive():
                 # after a failure, a moment for the other ranks to report theirs (the root cause may be there)
-                p.join(1 if failed is None and len(results) == world_size else (2 if failed is not None else 0))
+                p.join(2 if failed is not None else (1 if len(results) == world_size else 0))
             if p.is_alive():
                 p.kill()
                 p.join(5)
