@@ -38,9 +38,10 @@ CHUNK = 64
 # ``state_prec``: the backward's state passes multiply in tf32, or in the inputs' dtype ("bf16":
 # ~4% faster, but d beta up to 3.5x further from float64 on the H200 fuzz, measured up to 9.2e-3).
 # ``save_prep``: what the forward keeps for the backward besides q, k, v, z: "none" (recompute the
-# prep), "inverse" (the UT inverse and Aqk, ~0.4x the inputs' bytes: only the prep's elementwise
-# part is recomputed) or "all" (every prep output, ~1.4x; measured 18.50 -> 15.72 ms at B=8,T=4K).
-TUNING = dict(save_prep="none", prep_warps=8, prep_bk=16, prep_maxnreg=128, wu_warps=8, state_warps=4,
+# prep), "inverse" (the UT inverse and Aqk, ~0.4x the inputs' bytes, the same trade as fla's
+# default: only the prep's elementwise part is recomputed; measured 18.99 -> 17.50 ms at B=8,T=4K,
+# 40.35 -> 36.01 at B=1,T=64K) or "all" (every prep output, ~1.4x; 16.53 / 34.90 ms).
+TUNING = dict(save_prep="inverse", prep_warps=8, prep_bk=16, prep_maxnreg=128, wu_warps=8, state_warps=4,
               state_stages=2, bwd_states="fp32", state_prec="tf32", bwd_prec="tf32", score_prec="tf32",
               vside_warps=8, vside_bv=64, vside_maxnreg=0, kside_warps=4, kside_bk=16, kside_unroll=1,
               kside_maxnreg=0)
