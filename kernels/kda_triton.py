@@ -173,50 +173,59 @@ def _row_norms(x, bos, eos, h, H, K: tl.constexpr, BK: tl.constexpr, BT: tl.cons
 
 
 @triton.jit
-def _scores_and_inverse(R, Aqk, beta, aqk_out, x_out, c, h, H, bos, rows, valid,
-                        BT: tl.constexpr, BETA_SIGMOID: tl.constexpr, INV_PREC: tl.constexpr):
-    """Masks and stores Aqk, and writes X = (I + Diag(b) R)^-1 to ``x_out`` by 16x16 blocks."""
+def _store_scores(R, Aqk, beta, aqk_out, a_out, c, h, H, bos, rows, valid,
+                  BT: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """Masks and stores Aqk, and A = Diag(b) R (strictly lower) where _ut_inverse_kernel turns it into X."""
     m2 = valid[:, None]
     bv = tl.load(beta + (bos + rows) * H + h, mask=valid, other=0.0).to(tl.float32)
     if BETA_SIGMOID:
         bv = tl.sigmoid(bv)
-    xbase = (c.to(tl.int64) * H + h) * BT * BT
     R = tl.where(rows[:, None] > rows[None, :], R, 0.0)
     Aqk = tl.where(rows[:, None] >= rows[None, :], Aqk, 0.0)
     tl.store(aqk_out + ((bos + rows)[:, None] * H + h) * BT + rows[None, :], Aqk.to(aqk_out.dtype.element_ty), mask=m2)
-    tl.store(x_out + xbase + rows[:, None] * BT + rows[None, :], R * tl.where(valid, bv, 0.0)[:, None])
-    tl.debug_barrier()  # A is read back below in 16x16 blocks by other threads of this program
+    abase = (c.to(tl.int64) * H + h) * BT * BT
+    tl.store(a_out + abase + rows[:, None] * BT + rows[None, :], R * tl.where(valid, bv, 0.0)[:, None])
 
-    X00 = _unit_lower_inverse_tile(tl.load(_block(x_out, xbase, 0, 0, BT)), INV_PREC)
-    X11 = _unit_lower_inverse_tile(tl.load(_block(x_out, xbase, 1, 1, BT)), INV_PREC)
-    X22 = _unit_lower_inverse_tile(tl.load(_block(x_out, xbase, 2, 2, BT)), INV_PREC)
-    X33 = _unit_lower_inverse_tile(tl.load(_block(x_out, xbase, 3, 3, BT)), INV_PREC)
-    M10 = tl.load(_block(x_out, xbase, 1, 0, BT))
-    M21 = tl.load(_block(x_out, xbase, 2, 1, BT))
-    M32 = tl.load(_block(x_out, xbase, 3, 2, BT))
+
+@triton.jit
+def _ut_inverse_kernel(x, H, BT: tl.constexpr, INV_PREC: tl.constexpr):
+    """X = (I + A)^-1 in place for one chunk's strictly lower A, by 16x16 blocks: X_aa = (I + A_aa)^-1
+    as a product of powers, X_ab = -X_aa sum_{b<=c<a} A_ac X_cb, all exact fp32 products. A kernel of
+    its own, apart from the prep: a chain of small dependent products that needs few registers, so
+    many chunks share an SM and hide each other's latency."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    xbase = (c.to(tl.int64) * H + h) * BT * BT
+    X00 = _unit_lower_inverse_tile(tl.load(_block(x, xbase, 0, 0, BT)), INV_PREC)
+    X11 = _unit_lower_inverse_tile(tl.load(_block(x, xbase, 1, 1, BT)), INV_PREC)
+    X22 = _unit_lower_inverse_tile(tl.load(_block(x, xbase, 2, 2, BT)), INV_PREC)
+    X33 = _unit_lower_inverse_tile(tl.load(_block(x, xbase, 3, 3, BT)), INV_PREC)
+    M10 = tl.load(_block(x, xbase, 1, 0, BT))
+    M21 = tl.load(_block(x, xbase, 2, 1, BT))
+    M32 = tl.load(_block(x, xbase, 3, 2, BT))
     X10 = -tl.dot(X11, tl.dot(M10, X00, input_precision=INV_PREC), input_precision=INV_PREC)
     X21 = -tl.dot(X22, tl.dot(M21, X11, input_precision=INV_PREC), input_precision=INV_PREC)
     X32 = -tl.dot(X33, tl.dot(M32, X22, input_precision=INV_PREC), input_precision=INV_PREC)
-    M20 = tl.load(_block(x_out, xbase, 2, 0, BT))
+    M20 = tl.load(_block(x, xbase, 2, 0, BT))
     X20 = -tl.dot(X22, tl.dot(M20, X00, input_precision=INV_PREC) + tl.dot(M21, X10, input_precision=INV_PREC),
                   input_precision=INV_PREC)
-    M31 = tl.load(_block(x_out, xbase, 3, 1, BT))
+    M31 = tl.load(_block(x, xbase, 3, 1, BT))
     X31 = -tl.dot(X33, tl.dot(M31, X11, input_precision=INV_PREC) + tl.dot(M32, X21, input_precision=INV_PREC),
                   input_precision=INV_PREC)
-    M30 = tl.load(_block(x_out, xbase, 3, 0, BT))
+    M30 = tl.load(_block(x, xbase, 3, 0, BT))
     X30 = -tl.dot(X33, tl.dot(M30, X00, input_precision=INV_PREC) + tl.dot(M31, X10, input_precision=INV_PREC)
                   + tl.dot(M32, X20, input_precision=INV_PREC), input_precision=INV_PREC)
     tl.debug_barrier()  # every block of A is read before X overwrites it
-    tl.store(_block(x_out, xbase, 0, 0, BT), X00)
-    tl.store(_block(x_out, xbase, 1, 0, BT), X10)
-    tl.store(_block(x_out, xbase, 1, 1, BT), X11)
-    tl.store(_block(x_out, xbase, 2, 0, BT), X20)
-    tl.store(_block(x_out, xbase, 2, 1, BT), X21)
-    tl.store(_block(x_out, xbase, 2, 2, BT), X22)
-    tl.store(_block(x_out, xbase, 3, 0, BT), X30)
-    tl.store(_block(x_out, xbase, 3, 1, BT), X31)
-    tl.store(_block(x_out, xbase, 3, 2, BT), X32)
-    tl.store(_block(x_out, xbase, 3, 3, BT), X33)
+    tl.store(_block(x, xbase, 0, 0, BT), X00)
+    tl.store(_block(x, xbase, 1, 0, BT), X10)
+    tl.store(_block(x, xbase, 1, 1, BT), X11)
+    tl.store(_block(x, xbase, 2, 0, BT), X20)
+    tl.store(_block(x, xbase, 2, 1, BT), X21)
+    tl.store(_block(x, xbase, 2, 2, BT), X22)
+    tl.store(_block(x, xbase, 3, 0, BT), X30)
+    tl.store(_block(x, xbase, 3, 1, BT), X31)
+    tl.store(_block(x, xbase, 3, 2, BT), X32)
+    tl.store(_block(x, xbase, 3, 3, BT), X33)
 
 
 @triton.jit
@@ -225,16 +234,14 @@ def _prep_blocked_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
                          scale, lower_bound, H,
                          K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                          GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
-                         BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr,
-                         SCORES: tl.constexpr = True):
+                         BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr, SCORES: tl.constexpr = True):
     """Per chunk: Gamma Q, Gamma K, Gamma_C / Gamma K, Gamma_C, and (with SCORES) Aqk and
-    X = (I + Diag(b) R)^-1; without SCORES only the elementwise outputs (Aqk and X kept from the forward).
+    A = Diag(b) R into ``x_out``; without SCORES only the elementwise outputs (Aqk and X kept from
+    the forward).
 
     Everything but the row norms is separable over the key dimension, so the scores are summed
-    over blocks of BK key columns ([BT, BK] tiles: few live registers). The inverse then works on
-    16x16 blocks: A goes through ``x_out`` (this program's own scratch), X_aa = (I + A_aa)^-1 as a
-    product of powers and X_ab = -X_aa sum_{b<=c<a} A_ac X_cb, all exact fp32 products. W and U
-    follow in ``_wu_kernel``.
+    over blocks of BK key columns ([BT, BK] tiles: few live registers). _ut_inverse_kernel then
+    turns A into X = (I + A)^-1 and ``_wu_kernel`` forms W and U.
     """
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -264,7 +271,7 @@ def _prep_blocked_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
         tl.store(kend_out + offs, (kv * tl.exp(GC[None, :] - G)).to(kend_out.dtype.element_ty), mask=m2)
         tl.store(gc_out + (c.to(tl.int64) * H + h) * K + cols, tl.exp(GC))
     if SCORES:
-        _scores_and_inverse(R, Aqk, beta, aqk_out, x_out, c, h, H, bos, rows, valid, BT, BETA_SIGMOID, INV_PREC)
+        _store_scores(R, Aqk, beta, aqk_out, x_out, c, h, H, bos, rows, valid, BT, BETA_SIGMOID)
 
 
 @triton.jit
@@ -558,7 +565,10 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
         bv = tl.sigmoid(bv)
     bv = tl.where(valid, bv, 0.0)
 
-    # Pass 1: dT += dW (Gamma K)^T, then the UT backward: T = X Diag(b), X = (I + Diag(b) R)^-1.
+    # Pass 1: dT += dW (Gamma K)^T and d(Gamma K) = T^T dW (left in the dW scratch, in place), then
+    # the UT backward: T = X Diag(b), X = (I + Diag(b) R)^-1.
+    X = tl.load(x_in + sq + rows[:, None] * BT + cb[None, :])
+    T = X * bv[None, :]
     dT = tl.load(dt_in + sq + rows[:, None] * BT + cb[None, :])
     for kb in tl.range(0, K // BK, loop_unroll_factor=UNROLL):
         cols = kb * BK + tl.arange(0, BK)
@@ -567,7 +577,9 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
                             GATE_IN_KERNEL, HAS_DT_BIAS)
         dWb = tl.load(dw_in + tok + offs, mask=m2, other=0.0)
         dT += tl.dot(dWb, tl.trans(kv * tl.exp(G)), input_precision=PREC)
-    X = tl.load(x_in + sq + rows[:, None] * BT + cb[None, :])
+        dkg = tl.dot(tl.trans(T), dWb, input_precision=PREC)
+        tl.debug_barrier()  # every thread has read this block of dW
+        tl.store(dw_in + tok + offs, dkg, mask=m2)
     db = tl.sum(dT * X, axis=0)  # over rows i: d b_j from T = X Diag(b)
     dA = -tl.dot(tl.dot(tl.trans(X), dT * bv[None, :], input_precision=PREC), tl.trans(X), input_precision=PREC)
     dA = tl.where(rows[:, None] > cb[None, :], dA, 0.0)
@@ -578,7 +590,7 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
         tl.store(aqk_tile, _to_tf32(tl.load(aqk_tile), ROUND))
     tl.debug_barrier()  # dA and dAqk are read back in slabs by other threads
 
-    # Pass 2: per column block, the score gradients (_score_grads_tile), dkg = T^T dW, the
+    # Pass 2: per column block, the score gradients (_score_grads_tile), d(Gamma K) from pass 1, the
     # gate/cumsum backward; unnormalised dq/dk, and the two row products of the L2-norm backward.
     rowq = tl.zeros([BT], dtype=tl.float32)
     rowk = tl.zeros([BT], dtype=tl.float32)
@@ -594,11 +606,10 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
         qs = qv * scale
         eG = tl.exp(G)
         r1, r2, r3, rho_row = _tile_start(G, rows, BT)
-        T = tl.load(x_in + sq + rows[:, None] * BT + cb[None, :]) * bv[None, :]
         kf = kv * bv[:, None]
-        dkg = tl.dot(tl.trans(T), tl.load(dw_in + tok + offs, mask=m2, other=0.0), input_precision=PREC)
-        # K / Gamma relative to each row's own tile start, through this block of the dW scratch (read
-        # for the last time just above), so the tile products load their 16 rows of it.
+        dkg = tl.load(dw_in + tok + offs, mask=m2, other=0.0)
+        # K / Gamma relative to each row's own tile start, through this block of the scratch (d(Gamma K)
+        # read for the last time just above), so the tile products load their 16 rows of it.
         tl.debug_barrier()
         tl.store(dw_in + tok + offs, _to_tf32(kv * tl.exp(rho_row - G), ROUND), mask=m2)
         tl.debug_barrier()
