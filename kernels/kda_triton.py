@@ -565,10 +565,7 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
         bv = tl.sigmoid(bv)
     bv = tl.where(valid, bv, 0.0)
 
-    # Pass 1: dT += dW (Gamma K)^T and d(Gamma K) = T^T dW (left in the dW scratch, in place), then
-    # the UT backward: T = X Diag(b), X = (I + Diag(b) R)^-1.
-    X = tl.load(x_in + sq + rows[:, None] * BT + cb[None, :])
-    T = X * bv[None, :]
+    # Pass 1: dT += dW (Gamma K)^T, then the UT backward: T = X Diag(b), X = (I + Diag(b) R)^-1.
     dT = tl.load(dt_in + sq + rows[:, None] * BT + cb[None, :])
     for kb in tl.range(0, K // BK, loop_unroll_factor=UNROLL):
         cols = kb * BK + tl.arange(0, BK)
@@ -577,9 +574,7 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
                             GATE_IN_KERNEL, HAS_DT_BIAS)
         dWb = tl.load(dw_in + tok + offs, mask=m2, other=0.0)
         dT += tl.dot(dWb, tl.trans(kv * tl.exp(G)), input_precision=PREC)
-        dkg = tl.dot(tl.trans(T), dWb, input_precision=PREC)
-        tl.debug_barrier()  # every thread has read this block of dW
-        tl.store(dw_in + tok + offs, dkg, mask=m2)
+    X = tl.load(x_in + sq + rows[:, None] * BT + cb[None, :])
     db = tl.sum(dT * X, axis=0)  # over rows i: d b_j from T = X Diag(b)
     dA = -tl.dot(tl.dot(tl.trans(X), dT * bv[None, :], input_precision=PREC), tl.trans(X), input_precision=PREC)
     dA = tl.where(rows[:, None] > cb[None, :], dA, 0.0)
@@ -590,7 +585,7 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
         tl.store(aqk_tile, _to_tf32(tl.load(aqk_tile), ROUND))
     tl.debug_barrier()  # dA and dAqk are read back in slabs by other threads
 
-    # Pass 2: per column block, the score gradients (_score_grads_tile), d(Gamma K) from pass 1, the
+    # Pass 2: per column block, the score gradients (_score_grads_tile), dkg = T^T dW, the
     # gate/cumsum backward; unnormalised dq/dk, and the two row products of the L2-norm backward.
     rowq = tl.zeros([BT], dtype=tl.float32)
     rowk = tl.zeros([BT], dtype=tl.float32)
@@ -606,10 +601,11 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
         qs = qv * scale
         eG = tl.exp(G)
         r1, r2, r3, rho_row = _tile_start(G, rows, BT)
+        T = tl.load(x_in + sq + rows[:, None] * BT + cb[None, :]) * bv[None, :]
         kf = kv * bv[:, None]
-        dkg = tl.load(dw_in + tok + offs, mask=m2, other=0.0)
-        # K / Gamma relative to each row's own tile start, through this block of the scratch (d(Gamma K)
-        # read for the last time just above), so the tile products load their 16 rows of it.
+        dkg = tl.dot(tl.trans(T), tl.load(dw_in + tok + offs, mask=m2, other=0.0), input_precision=PREC)
+        # K / Gamma relative to each row's own tile start, through this block of the dW scratch (read
+        # for the last time just above), so the tile products load their 16 rows of it.
         tl.debug_barrier()
         tl.store(dw_in + tok + offs, _to_tf32(kv * tl.exp(rho_row - G), ROUND), mask=m2)
         tl.debug_barrier()
