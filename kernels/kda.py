@@ -41,7 +41,7 @@ CHUNK = 64
 # prep), "inverse" (the UT inverse and Aqk, ~0.4x the inputs' bytes, the same trade as fla's
 # default: only the prep's elementwise part is recomputed; measured 18.99 -> 17.50 ms at B=8,T=4K,
 # 40.35 -> 36.01 at B=1,T=64K) or "all" (every prep output, ~1.4x; 16.53 / 34.90 ms).
-TUNING = dict(save_prep="inverse", prep_warps=8, prep_bk=16, prep_maxnreg=128, inv_warps=2, inv_prec="ieee", wu_warps=8, state_warps=4,
+TUNING = dict(save_prep="inverse", prep_warps=8, prep_bk=16, prep_maxnreg=128, inv_warps=2, inv_prec="ieee", wu_warps=4, state_warps=4,
               state_stages=2, bwd_states="fp32", state_prec="tf32", bwd_prec="tf32", score_prec="tf32",
               vside_warps=8, vside_bv=64, vside_maxnreg=0, kside_warps=4, kside_bk=16, kside_unroll=1,
               kside_maxnreg=0)
@@ -284,7 +284,7 @@ def _bwd_vside(kt, v: Tensor, beta: Tensor, w: Tensor, x: Tensor, states: Tensor
     scratch["dgc"] = torch.empty(plan.num_chunks, heads, key_dim, device=dev, dtype=torch.float32)
     args = (v, beta, plan.chunk_bos, plan.chunk_eos, x, w, states, dh, ddelta, do,
             dv, scratch["dqg"], scratch["dw"], scratch["dkend"], scratch["daqk"], scratch["dt"], scratch["dgc"], heads)
-    kt._bwd_vside_kernel[(plan.num_chunks, heads, 2)](
+    kt._bwd_vside_kernel[(plan.num_chunks, heads, 3)](
         *args, K=key_dim, V=value_dim, BV=min(TUNING["vside_bv"], value_dim), num_warps=TUNING["vside_warps"],
         **_register_cap("vside"), **meta)
     return scratch

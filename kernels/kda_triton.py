@@ -447,12 +447,13 @@ def _bwd_vside_kernel(v, beta, chunk_bos, chunk_eos, x_in, w, states, dh, ddelta
                       dv, dqg_out, dw_out, dkend_out, daqk_out, dt_out, dgc_out, H: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                       BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr):
-    """The gradients that contract over V, V in blocks of BV; grid (chunks, heads, 2).
+    """The gradients that contract over V, V in blocks of BV; grid (chunks, heads, 3).
 
     Role 0: dQg = dO S^T and dW = -dDelta S^T (needs neither W nor T). Role 1: Delta = T V - W S
-    (W loaded from the forward prep, T = X Diag(b)), dV = T^T dDelta, dKend = Delta dS^T,
-    dAqk = dO Delta^T, dT = dDelta V^T, dGamma_C = rowsum(S * dS). Two roles, not one program,
-    because three [64, K] fp32 accumulators plus two [64, 64] do not fit in registers at d=128.
+    (W loaded from the forward prep, T = X Diag(b)), dKend = Delta dS^T, dAqk = dO Delta^T,
+    dGamma_C = rowsum(S * dS). Role 2: dV = T^T dDelta and dT = dDelta V^T (no state). Three roles,
+    not one program, because three [64, K] fp32 accumulators plus the [64, 64] ones do not fit in
+    registers at d=128 (two roles spilled 1.4 KB per thread at sm_90).
     """
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -484,29 +485,35 @@ def _bwd_vside_kernel(v, beta, chunk_bos, chunk_eos, x_in, w, states, dh, ddelta
         bv = tl.where(valid, bv, 0.0)
         sq = (c64 * H + h) * BT * BT
         T = tl.load(x_in + sq + rows[:, None] * BT + cb[None, :]) * bv[None, :]
-        dkend = tl.zeros([BT, K], dtype=tl.float32)
-        dAqk = tl.zeros([BT, BT], dtype=tl.float32)
-        dT = tl.zeros([BT, BT], dtype=tl.float32)
-        dgc = tl.zeros([K], dtype=tl.float32)
-        for vb in tl.static_range(0, V // BV):
-            cvb = vb * BV + tl.arange(0, BV)
-            S = tl.load(states + st + ck[:, None] * V + cvb[None, :])
-            dH = tl.load(dh + st + ck[:, None] * V + cvb[None, :])
-            vv = tl.load(v + tok_v + rows[:, None] * (H * V) + cvb[None, :], mask=m2, other=0.0).to(tl.float32)
-            Wt = tl.load(w + tok_k + rows[:, None] * (H * K) + ck[None, :], mask=m2, other=0.0).to(S.dtype)
-            D = tl.dot(T, vv, input_precision=PREC) - tl.dot(Wt, S, input_precision=PREC)
-            dgc += tl.sum(S.to(tl.float32) * dH.to(tl.float32), axis=1)
-            dkend += tl.dot(D.to(dH.dtype), tl.trans(dH), input_precision=PREC)
-            dOt = tl.load(do + tok_v + rows[:, None] * (H * V) + cvb[None, :], mask=m2, other=0.0).to(tl.float32)
-            dAqk += tl.dot(dOt, tl.trans(D), input_precision=PREC)
-            dD = tl.load(ddelta + tok_v + rows[:, None] * (H * V) + cvb[None, :], mask=m2, other=0.0).to(tl.float32)
-            dT += tl.dot(dD, tl.trans(vv), input_precision=PREC)  # U = T V
-            tl.store(dv + tok_v + rows[:, None] * (H * V) + cvb[None, :],
-                     tl.dot(tl.trans(T), dD, input_precision=PREC).to(dv.dtype.element_ty), mask=m2)
-        tl.store(dkend_out + tok_k + rows[:, None] * (H * K) + ck[None, :], dkend, mask=m2)
-        tl.store(daqk_out + sq + rows[:, None] * BT + cb[None, :], tl.where(rows[:, None] >= cb[None, :], dAqk, 0.0))
-        tl.store(dt_out + sq + rows[:, None] * BT + cb[None, :], dT)
-        tl.store(dgc_out + (c64 * H + h) * K + ck, dgc)
+        if role == 1:
+            dkend = tl.zeros([BT, K], dtype=tl.float32)
+            dAqk = tl.zeros([BT, BT], dtype=tl.float32)
+            dgc = tl.zeros([K], dtype=tl.float32)
+            for vb in tl.static_range(0, V // BV):
+                cvb = vb * BV + tl.arange(0, BV)
+                S = tl.load(states + st + ck[:, None] * V + cvb[None, :])
+                dH = tl.load(dh + st + ck[:, None] * V + cvb[None, :])
+                vv = tl.load(v + tok_v + rows[:, None] * (H * V) + cvb[None, :], mask=m2, other=0.0).to(tl.float32)
+                Wt = tl.load(w + tok_k + rows[:, None] * (H * K) + ck[None, :], mask=m2, other=0.0).to(S.dtype)
+                D = tl.dot(T, vv, input_precision=PREC) - tl.dot(Wt, S, input_precision=PREC)
+                dgc += tl.sum(S.to(tl.float32) * dH.to(tl.float32), axis=1)
+                dkend += tl.dot(D.to(dH.dtype), tl.trans(dH), input_precision=PREC)
+                dOt = tl.load(do + tok_v + rows[:, None] * (H * V) + cvb[None, :], mask=m2, other=0.0).to(tl.float32)
+                dAqk += tl.dot(dOt, tl.trans(D), input_precision=PREC)
+            tl.store(dkend_out + tok_k + rows[:, None] * (H * K) + ck[None, :], dkend, mask=m2)
+            tl.store(daqk_out + sq + rows[:, None] * BT + cb[None, :],
+                     tl.where(rows[:, None] >= cb[None, :], dAqk, 0.0))
+            tl.store(dgc_out + (c64 * H + h) * K + ck, dgc)
+        else:
+            dT = tl.zeros([BT, BT], dtype=tl.float32)
+            for vb in tl.static_range(0, V // BV):
+                cvb = vb * BV + tl.arange(0, BV)
+                vv = tl.load(v + tok_v + rows[:, None] * (H * V) + cvb[None, :], mask=m2, other=0.0).to(tl.float32)
+                dD = tl.load(ddelta + tok_v + rows[:, None] * (H * V) + cvb[None, :], mask=m2, other=0.0).to(tl.float32)
+                dT += tl.dot(dD, tl.trans(vv), input_precision=PREC)  # U = T V
+                tl.store(dv + tok_v + rows[:, None] * (H * V) + cvb[None, :],
+                         tl.dot(tl.trans(T), dD, input_precision=PREC).to(dv.dtype.element_ty), mask=m2)
+            tl.store(dt_out + sq + rows[:, None] * BT + cb[None, :], dT)
 
 
 @triton.jit
