@@ -44,7 +44,7 @@ def launches(tuning: dict) -> dict:
     return {
         "prep": (kt._prep_blocked_kernel, dict(dims, BK=tuning["prep_bk"], DOT_PREC="tf32", **flags),
                  params | {"gc_out", "x_out"}, tuning["prep_warps"], 1, tuning["prep_maxnreg"]),
-        "inverse": (kt._ut_inverse_kernel, dict(BT=64, INV_PREC=tuning.get("inv_prec", "ieee")), {"x"}, tuning["inv_warps"], 1, 0),
+        "inverse": (kt._ut_inverse_kernel, dict(BT=64, INV_PREC="ieee"), {"x"}, tuning["inv_warps"], 1, 0),
         "wu": (kt._wu_kernel, dict(dims, V=128, BC=64, BETA_SIGMOID=True, DOT_PREC="tf32"), {"x"},
                tuning["wu_warps"], 2, 0),
         "state_fwd": (kt._state_fwd_kernel, dict(dims, V=128, BV=64, V_END=128, HAS_INIT=True, TRANSITION=False,
