@@ -215,8 +215,9 @@ def _state_operand(w: Tensor, backward: bool):
     return tl.bfloat16
 
 
-def _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, *, init, transition, out=None, states=None):
-    """One forward state pass over every segment; returns the segment end states."""
+def _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, *, init, transition, out=None, states=None, delta=None):
+    """One forward state pass over every segment; returns the segment end states. With ``states``
+    (the backward) every chunk's start state and its Delta = U - W S (into ``delta``) are kept."""
     heads, key_dim = w.shape[1], w.shape[2]
     value_dim = u.shape[-1]
     bv = cfg["BV"]
@@ -225,7 +226,7 @@ def _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, *, init, transition, out=
     grid = (v_end // bv, plan.num_segments * heads)
     kt._state_fwd_kernel[grid](
         w, u, qg, kend, aqk, gc, out if out is not None else w, states if states is not None else w,
-        init if init is not None else seg_end, seg_end,
+        delta if delta is not None else w, init if init is not None else seg_end, seg_end,
         plan.seg_chunk0, plan.seg_nchunks, plan.seg_bos, plan.seg_eos, heads,
         K=key_dim, V=value_dim, BV=bv, BT=CHUNK, V_END=v_end, HAS_INIT=init is not None,
         TRANSITION=transition, STORE_OUTPUT=out is not None, STORE_STATES=states is not None,
@@ -273,10 +274,11 @@ def _register_cap(kernel: str) -> dict:
     return {"maxnreg": cap} if cap else {}
 
 
-def _bwd_vside(kt, v: Tensor, beta: Tensor, w: Tensor, x: Tensor, states: Tensor, dh: Tensor, ddelta: Tensor,
-               do: Tensor, dv: Tensor, plan: _Plan, meta: dict) -> dict[str, Tensor]:
+def _bwd_vside(kt, v: Tensor, beta: Tensor, delta: Tensor, x: Tensor, states: Tensor, dh: Tensor,
+               ddelta: Tensor, do: Tensor, dv: Tensor, plan: _Plan, meta: dict) -> dict[str, Tensor]:
     """Backward, part 1: dv, and the V-contracted gradients into fp32 scratch (3 of [T, H, K])."""
-    total, heads, key_dim = w.shape
+    total, heads = delta.shape[:2]
+    key_dim = states.shape[2]
     value_dim = v.shape[-1]
     dev = v.device
     scratch = {name: torch.empty(total, heads, key_dim, device=dev, dtype=torch.float32)
@@ -284,7 +286,7 @@ def _bwd_vside(kt, v: Tensor, beta: Tensor, w: Tensor, x: Tensor, states: Tensor
     for name in ("daqk", "dt"):
         scratch[name] = torch.empty(plan.num_chunks, heads, CHUNK, CHUNK, device=dev, dtype=torch.float32)
     scratch["dgc"] = torch.empty(plan.num_chunks, heads, key_dim, device=dev, dtype=torch.float32)
-    args = (v, beta, plan.chunk_bos, plan.chunk_eos, x, w, states, dh, ddelta, do,
+    args = (v, beta, plan.chunk_bos, plan.chunk_eos, x, delta, states, dh, ddelta, do,
             dv, scratch["dqg"], scratch["dw"], scratch["dkend"], scratch["daqk"], scratch["dt"], scratch["dgc"], heads)
     kt._bwd_vside_kernel[(plan.num_chunks, heads, 3)](
         *args, K=key_dim, V=value_dim, BV=min(TUNING["vside_bv"], value_dim), num_warps=TUNING["vside_warps"],
@@ -349,7 +351,9 @@ class _ChunkKDAFunction(torch.autograd.Function):
                                                scores=tuple(kept) or None)
         bwd_dtype = torch.float32 if TUNING["bwd_states"] == "fp32" else cfg["inter"]
         states = torch.empty(plan.num_chunks, heads, key_dim, value_dim, device=q.device, dtype=bwd_dtype)
-        _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, init=seg_init, transition=False, states=states)
+        delta = torch.empty(total, heads, value_dim, device=q.device, dtype=bwd_dtype)
+        _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, init=seg_init, transition=False, states=states,
+                   delta=delta)
 
         dh = torch.empty_like(states)
         ddelta = torch.empty(total, heads, value_dim, device=q.device, dtype=bwd_dtype)
@@ -383,8 +387,9 @@ class _ChunkKDAFunction(torch.autograd.Function):
         dtb = dt_bias if dt_bias is not None else gc
         flag_meta = dict(BT=CHUNK, BETA_SIGMOID=flags.beta_sigmoid, PREC="ieee" if exact else TUNING["bwd_prec"],
                          num_stages=1)
-        scratch = _bwd_vside(kt, v, beta, w, x, states, dh, ddelta, do, dv, plan, flag_meta)
-        del w, states, dh, ddelta  # the largest buffers; the k-side kernel reads only the scratch
+        del w
+        scratch = _bwd_vside(kt, v, beta, delta, x, states, dh, ddelta, do, dv, plan, flag_meta)
+        del delta, states, dh, ddelta  # the largest buffers; the k-side kernel reads only the scratch
         _bwd_kside(kt, q, k, gz, beta, a_log, dtb, x, scratch, dq, dk, dgz, dbeta, dA_part, ddtb_part,
                    plan, flags, dt_bias is not None,
                    dict(flag_meta, SCORE_PREC="ieee" if exact else TUNING["score_prec"]))

@@ -304,7 +304,7 @@ def _wu_kernel(v, beta, x, chunk_bos, chunk_eos, w, u, H,
 
 # ----------------------------------------------------------------------------- forward, state pass
 @triton.jit
-def _state_fwd_kernel(w, u, qg, kend, aqk, gc, o, states, seg_init, seg_end,
+def _state_fwd_kernel(w, u, qg, kend, aqk, gc, o, states, delta, seg_init, seg_end,
                       seg_chunk0, seg_nchunks, seg_bos, seg_eos, H,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                       V_END: tl.constexpr, HAS_INIT: tl.constexpr, TRANSITION: tl.constexpr,
@@ -314,7 +314,8 @@ def _state_fwd_kernel(w, u, qg, kend, aqk, gc, o, states, seg_init, seg_end,
 
     Column blocks past V (only with TRANSITION) carry identity columns with zero values: they end
     as the transition M of the segment. ``seg_end`` has V_END = V (+ K with TRANSITION) columns.
-    The state is fp32; its products take it (and their other operands) as OPD.
+    The state is fp32; its products take it (and their other operands) as OPD. With STORE_STATES
+    (the backward's pass) each chunk's state and its corrected values Delta = U - W S are kept.
     """
     pv = tl.program_id(0)
     sh = tl.program_id(1)
@@ -345,6 +346,8 @@ def _state_fwd_kernel(w, u, qg, kend, aqk, gc, o, states, seg_init, seg_end,
         Ut = tl.load(u + (rows[:, None] * H + h) * V + col[None, :], mask=m2 & is_value, other=0.0)
         Sb = S.to(OPD)
         D = Ut.to(tl.float32) - tl.dot(Wt, Sb, input_precision=DOT_PREC)
+        if STORE_STATES:
+            tl.store(delta + (rows[:, None] * H + h) * V + col[None, :], D.to(delta.dtype.element_ty), mask=m2)
         Db = D.to(OPD)
         if STORE_OUTPUT:
             Qt = tl.load(qg + (rows[:, None] * H + h) * K + rk[None, :], mask=m2, other=0.0).to(OPD)
@@ -443,17 +446,17 @@ def _score_grads_tile(dA_t, dAqk_t, kn_scr, kf, qs, f, bv, kv, cols, bos, eos, p
 
 
 @triton.jit
-def _bwd_vside_kernel(v, beta, chunk_bos, chunk_eos, x_in, w, states, dh, ddelta, do,
+def _bwd_vside_kernel(v, beta, chunk_bos, chunk_eos, x_in, delta, states, dh, ddelta, do,
                       dv, dqg_out, dw_out, dkend_out, daqk_out, dt_out, dgc_out, H: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                       BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr):
     """The gradients that contract over V, V in blocks of BV; grid (chunks, heads, 3).
 
-    Role 0: dQg = dO S^T and dW = -dDelta S^T (needs neither W nor T). Role 1: Delta = T V - W S
-    (W loaded from the forward prep, T = X Diag(b)), dKend = Delta dS^T, dAqk = dO Delta^T,
-    dGamma_C = rowsum(S * dS). Role 2: dV = T^T dDelta and dT = dDelta V^T (no state). Three roles,
-    not one program, because three [64, K] fp32 accumulators plus the [64, 64] ones do not fit in
-    registers at d=128 (two roles spilled 1.4 KB per thread at sm_90).
+    Role 0: dQg = dO S^T and dW = -dDelta S^T. Role 1: dKend = Delta dS^T, dAqk = dO Delta^T,
+    dGamma_C = rowsum(S * dS), with Delta = U - W S as the backward's state pass kept it. Role 2:
+    dV = T^T dDelta and dT = dDelta V^T (no state; T = X Diag(b)). Three roles, not one program,
+    because three [64, K] fp32 accumulators plus the [64, 64] ones do not fit in registers at
+    d=128 (two roles spilled 1.4 KB per thread at sm_90).
     """
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -479,12 +482,7 @@ def _bwd_vside_kernel(v, beta, chunk_bos, chunk_eos, x_in, w, states, dh, ddelta
         tl.store(dqg_out + tok_k + rows[:, None] * (H * K) + ck[None, :], dqg, mask=m2)
         tl.store(dw_out + tok_k + rows[:, None] * (H * K) + ck[None, :], dW, mask=m2)
     else:
-        bv = tl.load(beta + bos * H + h + rows * H, mask=valid, other=0.0).to(tl.float32)
-        if BETA_SIGMOID:
-            bv = tl.sigmoid(bv)
-        bv = tl.where(valid, bv, 0.0)
         sq = (c64 * H + h) * BT * BT
-        T = tl.load(x_in + sq + rows[:, None] * BT + cb[None, :]) * bv[None, :]
         if role == 1:
             dkend = tl.zeros([BT, K], dtype=tl.float32)
             dAqk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -493,9 +491,7 @@ def _bwd_vside_kernel(v, beta, chunk_bos, chunk_eos, x_in, w, states, dh, ddelta
                 cvb = vb * BV + tl.arange(0, BV)
                 S = tl.load(states + st + ck[:, None] * V + cvb[None, :])
                 dH = tl.load(dh + st + ck[:, None] * V + cvb[None, :])
-                vv = tl.load(v + tok_v + rows[:, None] * (H * V) + cvb[None, :], mask=m2, other=0.0).to(tl.float32)
-                Wt = tl.load(w + tok_k + rows[:, None] * (H * K) + ck[None, :], mask=m2, other=0.0).to(S.dtype)
-                D = tl.dot(T, vv, input_precision=PREC) - tl.dot(Wt, S, input_precision=PREC)
+                D = tl.load(delta + tok_v + rows[:, None] * (H * V) + cvb[None, :], mask=m2, other=0.0).to(tl.float32)
                 dgc += tl.sum(S.to(tl.float32) * dH.to(tl.float32), axis=1)
                 dkend += tl.dot(D.to(dH.dtype), tl.trans(dH), input_precision=PREC)
                 dOt = tl.load(do + tok_v + rows[:, None] * (H * V) + cvb[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -505,6 +501,10 @@ def _bwd_vside_kernel(v, beta, chunk_bos, chunk_eos, x_in, w, states, dh, ddelta
                      tl.where(rows[:, None] >= cb[None, :], dAqk, 0.0))
             tl.store(dgc_out + (c64 * H + h) * K + ck, dgc)
         else:
+            bv = tl.load(beta + bos * H + h + rows * H, mask=valid, other=0.0).to(tl.float32)
+            if BETA_SIGMOID:
+                bv = tl.sigmoid(bv)
+            T = tl.load(x_in + sq + rows[:, None] * BT + cb[None, :]) * tl.where(valid, bv, 0.0)[None, :]
             dT = tl.zeros([BT, BT], dtype=tl.float32)
             for vb in tl.static_range(0, V // BV):
                 cvb = vb * BV + tl.arange(0, BV)

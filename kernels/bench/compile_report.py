@@ -40,7 +40,7 @@ def launches(tuning: dict) -> dict:
     flags = dict(GATE_IN_KERNEL=True, HAS_DT_BIAS=True, L2NORM=True, BETA_SIGMOID=True)
     dims = dict(K=128, BT=64)
     params = {"A_log", "dt_bias"}
-    states = {"states", "dh", "ddelta"} if tuning["bwd_states"] == "fp32" else set()
+    states = {"states", "dh", "ddelta", "delta"} if tuning["bwd_states"] == "fp32" else set()
     return {
         "prep": (kt._prep_blocked_kernel, dict(dims, BK=tuning["prep_bk"], DOT_PREC="tf32", **flags),
                  params | {"gc_out", "x_out"}, tuning["prep_warps"], 1, tuning["prep_maxnreg"]),
