@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -291,7 +292,7 @@ def test_every_kernel_compiles_for_sm90_within_shared_memory():
     import json
 
     rows = {r["kernel"]: r for r in map(json.loads, done.stdout.splitlines())}
-    assert set(rows) == {"prep", "wu", "state_fwd", "state_bwd", "vside", "kside"}
+    assert set(rows) == {"prep", "inverse", "wu", "state_fwd", "state_bwd", "vside", "kside"}
     for name, r in rows.items():
         assert r["shared_kb"] <= 227 and r["regs"] <= 255, (name, r)
     assert rows["kside"]["seconds"] < 120, rows["kside"]  # fully unrolled key blocks took 224 s
@@ -312,3 +313,18 @@ def test_sass_line_report_attributes_instructions_to_kernel_lines():
     counts = [int(line.split()[0]) for line in lines[1:6]]
     assert total > 100 and all(c > 0 for c in counts) and sum(counts) <= total, done.stdout
     assert all("kda_triton.py:" in line for line in lines[1:6]), done.stdout
+
+
+def test_with_kernels_runs_a_command_on_another_copy_of_the_kernels(tmp_path):
+    """kernels/bench/with_kernels.sh (the same-call control for a code change) makes the command
+    import moe_lc_kernels from the given copy, not from the working tree."""
+    root = os.path.join(os.path.dirname(__file__), "..")
+    copy = tmp_path / "kernels"
+    shutil.copytree(os.path.join(root, "kernels"), copy, ignore=shutil.ignore_patterns("__pycache__", "bench"))
+    (copy / "kda.py").write_text((copy / "kda.py").read_text() + "\nCOPY_MARKER = 'control'\n")
+    probe = "import moe_lc_kernels.kda as k; print(k.__file__, k.COPY_MARKER)"
+    done = subprocess.run(["bash", os.path.join(root, "kernels", "bench", "with_kernels.sh"), str(copy), sys.executable,
+                           "-c", probe], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    path, marker = done.stdout.split()
+    assert marker == "control" and os.path.realpath(path) == str((copy / "kda.py").resolve())

@@ -119,7 +119,7 @@ def compile_one(fn, constexprs: dict, fp32: set, warps: int, stages: int, maxnre
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--kernels", default="prep,wu,state_fwd,state_bwd,vside,kside")
+    p.add_argument("--kernels", default="prep,inverse,wu,state_fwd,state_bwd,vside,kside")
     p.add_argument("--tuning", default="", help="TUNING overrides, 'key=value,...'")
     p.add_argument("--json", action="store_true", help="one JSON object per kernel instead of the table")
     args = p.parse_args(argv)
