@@ -11,12 +11,14 @@ log-decay, Gamma = exp(G), b = beta and q pre-scaled by ``scale``:
 
 Kernels (one launch each, all rows of a chunk in one program):
 - ``_prep_blocked_kernel`` parallel over (chunk, head): raw q/k/gate/beta -> L2 norm, gate, cumsum,
-                      R and Aqk summed over blocks of key columns, X by 16x16 blocks, Gamma Q,
-                      Gamma K, Gamma_C / Gamma K, Gamma_C.
+                      R and Aqk summed over blocks of key columns, Gamma Q, Gamma K,
+                      Gamma_C / Gamma K, Gamma_C.
+- ``_ut_inverse_kernel`` parallel over (chunk, head): X from Diag(b) R by 16x16 blocks.
 - ``_wu_kernel``      parallel over (chunk, head): W and U from X, beta, Gamma K and V.
 - ``_state_fwd_kernel`` serial over the chunks of one segment: Delta, O, next state. With
                       ``TRANSITION`` it also carries K identity columns with zero values, which end as
-                      the segment's transition M (S_end = M S_start + S~).
+                      the segment's transition M (S_end = M S_start + S~). In the backward it keeps
+                      every chunk's state and Delta for the gradient kernels.
 - ``_state_bwd_kernel``: the same, reversed, for dS (the transition is M^T).
 (The composition of segments, S_{j+1} = M_j S_j + S~_j, is a few batched matmuls in kernels/kda.py.)
 - ``_bwd_vside_kernel`` / ``_bwd_kside_kernel`` parallel over (chunk, head): every parameter
