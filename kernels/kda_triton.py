@@ -71,6 +71,15 @@ def _chunk_rows(chunk_bos, chunk_eos, c, BT: tl.constexpr):
 
 
 @triton.jit
+def _chunk_beta(beta, bos, rows, valid, h, H, BETA_SIGMOID: tl.constexpr):
+    """b of the chunk's rows (the sigmoid of the raw logits with BETA_SIGMOID), 0 on rows past the end."""
+    bv = tl.load(beta + bos * H + h + rows * H, mask=valid, other=0.0).to(tl.float32)
+    if BETA_SIGMOID:
+        bv = tl.sigmoid(bv)
+    return tl.where(valid, bv, 0.0)
+
+
+@triton.jit
 def _tile_start(G, rows, BT: tl.constexpr):
     """rho_b (log-decay at the start of 16-token tile b, b = 1..3) and rho for every row's own tile."""
     r1 = tl.sum(tl.where(rows[:, None] == 15, G, 0.0), axis=0)
@@ -179,14 +188,12 @@ def _store_scores(R, Aqk, beta, aqk_out, a_out, c, h, H, bos, rows, valid,
                   BT: tl.constexpr, BETA_SIGMOID: tl.constexpr):
     """Masks and stores Aqk, and A = Diag(b) R (strictly lower) where _ut_inverse_kernel turns it into X."""
     m2 = valid[:, None]
-    bv = tl.load(beta + (bos + rows) * H + h, mask=valid, other=0.0).to(tl.float32)
-    if BETA_SIGMOID:
-        bv = tl.sigmoid(bv)
+    bv = _chunk_beta(beta, bos, rows, valid, h, H, BETA_SIGMOID)
     R = tl.where(rows[:, None] > rows[None, :], R, 0.0)
     Aqk = tl.where(rows[:, None] >= rows[None, :], Aqk, 0.0)
     tl.store(aqk_out + ((bos + rows)[:, None] * H + h) * BT + rows[None, :], Aqk.to(aqk_out.dtype.element_ty), mask=m2)
     abase = (c.to(tl.int64) * H + h) * BT * BT
-    tl.store(a_out + abase + rows[:, None] * BT + rows[None, :], R * tl.where(valid, bv, 0.0)[:, None])
+    tl.store(a_out + abase + rows[:, None] * BT + rows[None, :], R * bv[:, None])
 
 
 @triton.jit
@@ -289,10 +296,7 @@ def _wu_kernel(v, beta, x, chunk_bos, chunk_eos, w, u, H,
     bos, eos, rows, valid = _chunk_rows(chunk_bos, chunk_eos, c, BT)
     m2 = valid[:, None]
     X = tl.load(x + ((c.to(tl.int64) * H + h) * BT + rows[:, None]) * BT + rows[None, :])
-    bv = tl.load(beta + (bos + rows) * H + h, mask=valid, other=0.0).to(tl.float32)
-    if BETA_SIGMOID:
-        bv = tl.sigmoid(bv)
-    T = X * tl.where(valid, bv, 0.0)[None, :]
+    T = X * _chunk_beta(beta, bos, rows, valid, h, H, BETA_SIGMOID)[None, :]
     cols = tl.arange(0, BC)
     for cb in tl.static_range(K // BC):
         offs = ((bos + rows)[:, None] * H + h) * K + cb * BC + cols[None, :]
@@ -503,10 +507,8 @@ def _bwd_vside_kernel(v, beta, chunk_bos, chunk_eos, x_in, delta, states, dh, dd
                      tl.where(rows[:, None] >= cb[None, :], dAqk, 0.0))
             tl.store(dgc_out + (c64 * H + h) * K + ck, dgc)
         else:
-            bv = tl.load(beta + bos * H + h + rows * H, mask=valid, other=0.0).to(tl.float32)
-            if BETA_SIGMOID:
-                bv = tl.sigmoid(bv)
-            T = tl.load(x_in + sq + rows[:, None] * BT + cb[None, :]) * tl.where(valid, bv, 0.0)[None, :]
+            T = tl.load(x_in + sq + rows[:, None] * BT + cb[None, :]) * _chunk_beta(beta, bos, rows, valid, h, H,
+                                                                                      BETA_SIGMOID)[None, :]
             dT = tl.zeros([BT, BT], dtype=tl.float32)
             for vb in tl.static_range(0, V // BV):
                 cvb = vb * BV + tl.arange(0, BV)
@@ -569,10 +571,7 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
     else:
         rq = tl.full([BT], 1.0, tl.float32)
         rk = tl.full([BT], 1.0, tl.float32)
-    bv = tl.load(beta + bos * H + h + rows * H, mask=valid, other=0.0).to(tl.float32)
-    if BETA_SIGMOID:
-        bv = tl.sigmoid(bv)
-    bv = tl.where(valid, bv, 0.0)
+    bv = _chunk_beta(beta, bos, rows, valid, h, H, BETA_SIGMOID)
 
     # Pass 1: dT += dW (Gamma K)^T, then the UT backward: T = X Diag(b), X = (I + Diag(b) R)^-1.
     dT = tl.load(dt_in + sq + rows[:, None] * BT + cb[None, :])
