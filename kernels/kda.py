@@ -47,7 +47,7 @@ CHUNK = 64
 TUNING = dict(save_prep="inverse", prep_warps=8, prep_bk=16, prep_maxnreg=128, inv_warps=2, wu_warps=4,
               state_warps=4, state_stages=1, bwd_states="fp32", state_prec="tf32", bwd_prec="tf32",
               score_prec="tf32", vside_warps=8, vside_bv=64, vside_maxnreg=0, kside_warps=4, kside_bk=16,
-              kside_unroll=1, kside_maxnreg=0)
+              ktile_warps=4, ktile_bk=32, kgate_warps=4, kgate_bk=32)
 _PRECISIONS = ("tf32", "tf32x3", "ieee")
 _TEXT_TUNING = {"save_prep": ("none", "inverse", "all"), "bwd_states": ("fp32", "bf16"),
                 "state_prec": ("tf32", "bf16"), "bwd_prec": _PRECISIONS, "score_prec": _PRECISIONS}
@@ -296,19 +296,43 @@ def _bwd_vside(kt, v: Tensor, beta: Tensor, delta: Tensor, x: Tensor, states: Te
 
 
 def _bwd_kside(kt, q: Tensor, k: Tensor, gz: Tensor, beta: Tensor, A_log: Tensor, dt_bias: Tensor, x: Tensor,
-               scratch: dict[str, Tensor], dq: Tensor, dk: Tensor, dgz: Tensor, dbeta: Tensor, dA_part: Tensor,
-               ddtb_part: Tensor, plan: _Plan, flags: _Flags, has_dt_bias: bool, meta: dict) -> None:
-    """Backward, part 2: dq, dk, dgz, dbeta and the per-chunk A_log/dt_bias partials from the scratch
-    (which it overwrites: dA over dT, parked rows over dqg/dkend/dw)."""
-    heads, key_dim = q.shape[1], q.shape[2]
-    kt._bwd_kside_kernel[(plan.num_chunks, heads)](
-        q, k, gz, beta, A_log, dt_bias, plan.chunk_bos, plan.chunk_eos, x,
-        scratch["dqg"], scratch["dw"], scratch["dkend"], scratch["daqk"], scratch["dt"], scratch["dgc"],
-        dq, dk, dgz, dbeta, dA_part, ddtb_part, flags.scale, flags.lower_bound, heads,
-        K=key_dim, BK=min(TUNING["kside_bk"], key_dim), GATE_IN_KERNEL=flags.gate_in_kernel,
-        HAS_DT_BIAS=has_dt_bias, L2NORM=flags.l2norm, UNROLL=TUNING["kside_unroll"], num_warps=TUNING["kside_warps"],
-        **_register_cap("kside"), **meta,
-    )
+               scratch: dict[str, Tensor], dq: Tensor, dk: Tensor, dgz: Tensor, dbeta: Tensor, plan: _Plan,
+               flags: _Flags, has_dt_bias: bool, prec: str, score_prec: str) -> tuple[Tensor, Tensor]:
+    """Backward, part 2 (three kernels): dq, dk, dgz, dbeta from the scratch, which they overwrite (dA
+    over dT, d(Gamma K) then dG over dW, unnormalised dq / dk over dQg / dKend). Returns the
+    per-chunk partials of dA_log [chunks, H, blocks] and d dt_bias [chunks, H, K] (gate in kernel)."""
+    total, heads, key_dim = q.shape
+    dev = q.device
+    f32 = dict(device=dev, dtype=torch.float32)
+    gcum = torch.empty(total, heads, key_dim, **f32)  # the in-chunk cumsum G
+    rnorm = torch.empty(total, heads, 2, **f32)  # 1 / |q|, 1 / |k| per row
+    tile_bk = min(TUNING["ktile_bk"], key_dim)
+    gate_bk = min(TUNING["kgate_bk"], key_dim)
+    tile_blocks = key_dim // tile_bk
+    db_part = torch.empty(1 + tile_blocks, total, heads, **f32)
+    row_part = torch.empty(2 * tile_blocks, total, heads, **f32) if flags.l2norm else db_part
+    esum_part = torch.empty(plan.num_chunks, heads, CHUNK // 16, key_dim, **f32)
+    gate = flags.gate_in_kernel
+    dA_part = torch.empty(plan.num_chunks, heads, key_dim // gate_bk, **f32) if gate else esum_part
+    ddtb_part = torch.empty(plan.num_chunks, heads, key_dim, **f32) if gate and has_dt_bias else esum_part
+    gate_flags = dict(GATE_IN_KERNEL=gate, HAS_DT_BIAS=has_dt_bias, L2NORM=flags.l2norm,
+                      BETA_SIGMOID=flags.beta_sigmoid)
+    kt._bwd_kside_chunk_kernel[(plan.num_chunks, heads)](
+        q, k, gz, beta, A_log, dt_bias, plan.chunk_bos, plan.chunk_eos, x, scratch["dw"], scratch["daqk"],
+        scratch["dt"], gcum, rnorm, db_part, flags.lower_bound, heads, K=key_dim,
+        BK=min(TUNING["kside_bk"], key_dim), BT=CHUNK, PREC=prec, SCORE_PREC=score_prec, **gate_flags,
+        num_warps=TUNING["kside_warps"], num_stages=1)
+    kt._bwd_kside_tile_kernel[(plan.num_chunks, heads, (CHUNK // 16) * tile_blocks)](
+        q, k, beta, plan.chunk_bos, plan.chunk_eos, gcum, rnorm, scratch["dqg"], scratch["dw"], scratch["dkend"],
+        scratch["daqk"], scratch["dt"], dq, dk, db_part, row_part, esum_part, flags.scale, total, heads,
+        K=key_dim, BK=tile_bk, BT=CHUNK, L2NORM=flags.l2norm, BETA_SIGMOID=flags.beta_sigmoid,
+        SCORE_PREC=score_prec, num_warps=TUNING["ktile_warps"], num_stages=1)
+    kt._bwd_kside_gate_kernel[(plan.num_chunks, heads, key_dim // gate_bk)](
+        q, k, gz, beta, A_log, dt_bias, plan.chunk_bos, plan.chunk_eos, gcum, rnorm, scratch["dqg"], scratch["dw"],
+        scratch["dkend"], scratch["dgc"], esum_part, db_part, row_part, dq, dk, dgz, dbeta, dA_part, ddtb_part,
+        flags.lower_bound, total, heads, K=key_dim, BK=gate_bk, BT=CHUNK, TILE_BLOCKS=tile_blocks, **gate_flags,
+        num_warps=TUNING["kgate_warps"], num_stages=1)
+    return dA_part, ddtb_part
 
 
 class _ChunkKDAFunction(torch.autograd.Function):
@@ -380,23 +404,20 @@ class _ChunkKDAFunction(torch.autograd.Function):
         dq, dk, dv, dgz = (torch.empty_like(t) for t in (q, k, v, gz))
         dbeta = torch.empty_like(beta)
         gate = flags.gate_in_kernel
-        dA_part = torch.empty(plan.num_chunks, heads, device=q.device, dtype=torch.float32) if gate else gc
-        ddtb_part = (torch.empty(plan.num_chunks, heads, key_dim, device=q.device, dtype=torch.float32)
-                     if gate and dt_bias is not None else gc)
         exact = cfg["dot"] == "ieee"
         a_log = A_log if A_log is not None else gc
         dtb = dt_bias if dt_bias is not None else gc
-        flag_meta = dict(BT=CHUNK, BETA_SIGMOID=flags.beta_sigmoid, PREC="ieee" if exact else TUNING["bwd_prec"],
-                         num_stages=1)
+        prec = "ieee" if exact else TUNING["bwd_prec"]
         del w
-        scratch = _bwd_vside(kt, v, beta, delta, x, states, dh, ddelta, do, dv, plan, flag_meta)
-        del delta, states, dh, ddelta  # the largest buffers; the k-side kernel reads only the scratch
-        _bwd_kside(kt, q, k, gz, beta, a_log, dtb, x, scratch, dq, dk, dgz, dbeta, dA_part, ddtb_part,
-                   plan, flags, dt_bias is not None,
-                   dict(flag_meta, SCORE_PREC="ieee" if exact else TUNING["score_prec"]))
+        scratch = _bwd_vside(kt, v, beta, delta, x, states, dh, ddelta, do, dv, plan,
+                             dict(BT=CHUNK, BETA_SIGMOID=flags.beta_sigmoid, PREC=prec, num_stages=1))
+        del delta, states, dh, ddelta  # the largest buffers; the k-side kernels read only the scratch
+        dA_part, ddtb_part = _bwd_kside(kt, q, k, gz, beta, a_log, dtb, x, scratch, dq, dk, dgz, dbeta, plan, flags,
+                                        dt_bias is not None, prec, "ieee" if exact else TUNING["score_prec"])
         del scratch
         del x
-        dA_log = dA_part.sum(0).to(A_log.dtype) if gate and A_log is not None and ctx.needs_input_grad[5] else None
+        dA_log = (dA_part.sum((0, 2)).to(A_log.dtype)
+                  if gate and A_log is not None and ctx.needs_input_grad[5] else None)
         ddt_bias = (ddtb_part.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)
                     if gate and dt_bias is not None and ctx.needs_input_grad[6] else None)
         dinit = dstart[plan.first_seg].to(ctx.init_dtype) if ctx.has_init else None

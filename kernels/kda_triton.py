@@ -415,43 +415,6 @@ def _state_bwd_kernel(qg, w, kend, aqk, gc, do, dh, ddelta, seg_init, seg_start_
 
 
 @triton.jit
-def _score_grads_tile(dA_t, dAqk_t, kn_scr, kf, qs, f, bv, kv, cols, bos, eos, pk, pq, db, drow,
-                      H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, b: tl.constexpr, PREC: tl.constexpr,
-                      ROUND: tl.constexpr):
-    """Backward of key tile b of R and Aqk (see _bwd_kside_kernel), contracting over the tile's 16 keys only.
-
-    ``dA_t`` / ``dAqk_t`` point at the [64, 64] score gradients; their columns of tile b are loaded as
-    [64, 16] slabs (and transposed as [16, 64]). ``kn_scr`` holds K / Gamma relative to each row's
-    tile start for this block of columns; tile b's rows are read from it and then overwritten with
-    their gradient (no other tile reads them). The row-side operands are b K F_b and Q F_b, with
-    F_b = ``f`` the decay from the tile's start (_tile_decay). At tf32 every operand is rounded
-    once (the scores by the caller) so that each product is formed from the same tf32 values in
-    both orientations. Returns the accumulators.
-    """
-    kff = _to_tf32(kf * f, ROUND)
-    qff = _to_tf32(qs * f, ROUND)
-    cb = tl.arange(0, BT)
-    trow = b * TILE + tl.arange(0, TILE)
-    tvalid = ((bos + trow) < eos)[:, None]
-    tile_rows = kn_scr + trow[:, None] * (H * K) + cols[None, :]
-    kn_t = tl.load(tile_rows, mask=tvalid, other=0.0)
-    dA_b = tl.load(dA_t + cb[:, None] * BT + trow[None, :])  # [64, 16]: columns of tile b
-    dAqk_b = tl.load(dAqk_t + cb[:, None] * BT + trow[None, :])
-    u = tl.dot(dA_b, kn_t, input_precision=PREC)
-    u2 = tl.dot(dAqk_b, kn_t, input_precision=PREC)
-    db += tl.sum(kv * f * u, axis=1)
-    pk += u * f * bv[:, None]
-    pq += u2 * f
-    drow += kff * u + qff * u2
-    dA_bt = tl.load(dA_t + cb[None, :] * BT + trow[:, None])  # [16, 64]: the same slabs transposed
-    dAqk_bt = tl.load(dAqk_t + cb[None, :] * BT + trow[:, None])
-    dkn_t = tl.dot(dA_bt, kff, input_precision=PREC) + tl.dot(dAqk_bt, qff, input_precision=PREC)
-    tl.debug_barrier()  # every thread has read the tile's K / Gamma rows
-    tl.store(tile_rows, dkn_t, mask=tvalid)
-    return pk, pq, db, drow
-
-
-@triton.jit
 def _bwd_vside_kernel(v, beta, chunk_bos, chunk_eos, x_in, delta, states, dh, ddelta, do,
                       dv, dqg_out, dw_out, dkend_out, daqk_out, dt_out, dgc_out, H: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
@@ -531,29 +494,22 @@ def _cols_kg(kp, zp, A_log, dt_bias, offs, m2, h, lower_bound, rk, cols, K: tl.c
     return kv, g, tl.cumsum(g, axis=0)
 
 
+# ----------------------------------------------------------------------------- backward, key side
+# Three kernels: the work that spans a chunk's 64 rows (_bwd_kside_chunk_kernel), the score-tile
+# products one 16-row tile at a time (_bwd_kside_tile_kernel), then the reverse cumsum with the
+# gate, L2-norm and beta backward (_bwd_kside_gate_kernel). One fused program per chunk held every
+# [64, BK] operand at once: 255 registers, 2 programs per SM, latency-bound (kernels/NOTES.md).
 @triton.jit
-def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in,
-                      dqg_in, dw_in, dkend_in, daqk_in, dt_in, dgc_in,
-                      dq, dk, dgz, dbeta, dA_part, ddtb_part,
-                      scale, lower_bound, H: tl.constexpr,
-                      K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                      GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
-                      BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr, SCORE_PREC: tl.constexpr,
-                      UNROLL: tl.constexpr):
-    """The key-side gradients from _bwd_vside_kernel's scratch, key columns in blocks of BK.
-
-    Everything is separable over key columns except four row sums, which accumulate over the
-    blocks: dT += dW (Gamma K)^T (pass 1, before the UT backward), d b from the score tiles, and
-    the two L2-norm row products sum(dq * q), sum(dk * k). So: pass 0 row norms, pass 1 dT, then
-    dX and dA on [64, 64] (parked in the used-up dT scratch: the score tiles read 16-column slabs
-    of it), pass 2 every column gradient (unnormalised dq, dk parked in the dQg / dKend scratch rows
-    this program just read), pass 3 the L2-norm backward. The key-tile score products run at
-    SCORE_PREC: their terms of dG come in pairs that cancel (row sum for the later token, column sum
-    for the earlier), so at "tf32" their operands are rounded here, once, and both sums see equal
-    terms (left to the tensor cores, d dt_bias was 2-3e-2 from float64). Every other product runs
-    at PREC. The key-block loops are compiled as loops (UNROLL = 1; full unrolling took 224 s to
-    compile for sm_90 instead of 8 s).
-    """
+def _bwd_kside_chunk_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in, dw_in, daqk_in, dt_in,
+                            gcum, rnorm, db_part, lower_bound, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                            BT: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                            L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr,
+                            SCORE_PREC: tl.constexpr):
+    """Key side 1/3, per (chunk, head): the L2-norm reciprocals (into ``rnorm``) and the cumsum G (into
+    ``gcum``) for the later steps; dT += dW (Gamma K)^T, then the UT backward (T = X Diag(b), X = (I +
+    Diag(b) R)^-1): its share of d b (``db_part`` slot 0), dA over dT in its scratch, and d(Gamma K) =
+    T^T dW over dW in its scratch. At SCORE_PREC="tf32" dA and dAqk are rounded to tf32 here, once,
+    because step 2 reads their slabs in both orientations (see _bwd_kside_tile_kernel)."""
     ROUND: tl.constexpr = SCORE_PREC == "tf32"
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -563,114 +519,230 @@ def _bwd_kside_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in
     cb = tl.arange(0, BT)
     tok = (bos * H + h) * K  # row 0 of the chunk in [T, H, K] tensors; + rows * H * K + column
     sq = (c64 * H + h) * BT * BT
-
-    # Pass 0: the L2-norm reciprocals of q and k rows.
     if L2NORM:
         rq = _row_norms(q, bos, eos, h, H, K, BK, BT)
         rk = _row_norms(k, bos, eos, h, H, K, BK, BT)
     else:
         rq = tl.full([BT], 1.0, tl.float32)
         rk = tl.full([BT], 1.0, tl.float32)
+    nrm = rnorm + ((bos + rows) * H + h) * 2
+    tl.store(nrm, rq, mask=valid)
+    tl.store(nrm + 1, rk, mask=valid)
     bv = _chunk_beta(beta, bos, rows, valid, h, H, BETA_SIGMOID)
 
-    # Pass 1: dT += dW (Gamma K)^T, then the UT backward: T = X Diag(b), X = (I + Diag(b) R)^-1.
     dT = tl.load(dt_in + sq + rows[:, None] * BT + cb[None, :])
-    for kb in tl.range(0, K // BK, loop_unroll_factor=UNROLL):
+    for kb in tl.range(0, K // BK):
         cols = kb * BK + tl.arange(0, BK)
         offs = rows[:, None] * (H * K) + cols[None, :]
         kv, g, G = _cols_kg(k + tok, gz + tok, A_log, dt_bias, offs, m2, h, lower_bound, rk, cols, K,
                             GATE_IN_KERNEL, HAS_DT_BIAS)
+        tl.store(gcum + tok + offs, G, mask=m2)
         dWb = tl.load(dw_in + tok + offs, mask=m2, other=0.0)
         dT += tl.dot(dWb, tl.trans(kv * tl.exp(G)), input_precision=PREC)
     X = tl.load(x_in + sq + rows[:, None] * BT + cb[None, :])
-    db = tl.sum(dT * X, axis=0)  # over rows i: d b_j from T = X Diag(b)
+    tl.store(db_part + (bos + rows) * H + h, tl.sum(dT * X, axis=0), mask=valid)  # over rows i: d b_j
     dA = -tl.dot(tl.dot(tl.trans(X), dT * bv[None, :], input_precision=PREC), tl.trans(X), input_precision=PREC)
     dA = tl.where(rows[:, None] > cb[None, :], dA, 0.0)
+    T = X * bv[None, :]
     tl.debug_barrier()  # every thread has read dT before dA overwrites it
     tl.store(dt_in + sq + rows[:, None] * BT + cb[None, :], _to_tf32(dA, ROUND))
-    if ROUND:  # the score gradients are read in slabs both ways: round them once, here
+    if ROUND:
         aqk_tile = daqk_in + sq + rows[:, None] * BT + cb[None, :]
         tl.store(aqk_tile, _to_tf32(tl.load(aqk_tile), ROUND))
-    tl.debug_barrier()  # dA and dAqk are read back in slabs by other threads
-
-    # Pass 2: per column block, the score gradients (_score_grads_tile), dkg = T^T dW, the
-    # gate/cumsum backward; unnormalised dq/dk, and the two row products of the L2-norm backward.
-    rowq = tl.zeros([BT], dtype=tl.float32)
-    rowk = tl.zeros([BT], dtype=tl.float32)
-    dA_sum = tl.zeros([BT], dtype=tl.float32)
-    dA_t = dt_in + sq
-    dAqk_t = daqk_in + sq
-    for kb in tl.range(0, K // BK, loop_unroll_factor=UNROLL):
-        cols = kb * BK + tl.arange(0, BK)
-        offs = rows[:, None] * (H * K) + cols[None, :]
-        kv, g, G = _cols_kg(k + tok, gz + tok, A_log, dt_bias, offs, m2, h, lower_bound, rk, cols, K,
-                            GATE_IN_KERNEL, HAS_DT_BIAS)
-        qv = tl.load(q + tok + offs, mask=m2, other=0.0).to(tl.float32) * rq[:, None]
-        qs = qv * scale
-        eG = tl.exp(G)
-        r1, r2, r3, rho_row = _tile_start(G, rows, BT)
-        T = tl.load(x_in + sq + rows[:, None] * BT + cb[None, :]) * bv[None, :]
-        kf = kv * bv[:, None]
+    for kb in tl.range(0, K // BK):
+        offs = rows[:, None] * (H * K) + (kb * BK + tl.arange(0, BK))[None, :]
         dkg = tl.dot(tl.trans(T), tl.load(dw_in + tok + offs, mask=m2, other=0.0), input_precision=PREC)
-        # K / Gamma relative to each row's own tile start, through this block of the dW scratch (read
-        # for the last time just above), so the tile products load their 16 rows of it.
-        tl.debug_barrier()
-        tl.store(dw_in + tok + offs, _to_tf32(kv * tl.exp(rho_row - G), ROUND), mask=m2)
-        tl.debug_barrier()
-        pk = tl.zeros([BT, BK], dtype=tl.float32)
-        pq = tl.zeros([BT, BK], dtype=tl.float32)
-        drow = tl.zeros([BT, BK], dtype=tl.float32)
-        for b in tl.static_range(BT // 16):  # each key tile leaves d(K / Gamma) of its rows in the scratch
-            pk, pq, db, drow = _score_grads_tile(dA_t, dAqk_t, dw_in + tok, kf, qs, _tile_decay(G, r1, r2, r3, rows, b),
-                                                 bv, kv, cols, bos, eos, pk, pq, db, drow, H, K, BT, b, SCORE_PREC,
-                                                 ROUND)
-        dqg = tl.load(dqg_in + tok + offs, mask=m2, other=0.0)
-        dke = tl.load(dkend_in + tok + offs, mask=m2, other=0.0)
-        GC = tl.sum(g, axis=0)
-        kend_f = tl.exp(GC[None, :] - G)
-        tl.debug_barrier()  # the parked tiles are read back by other threads
-        dkn = tl.load(dw_in + tok + offs, mask=m2, other=0.0)
-        e_row = tl.exp(rho_row - G)
-        kn = _to_tf32(kv * e_row, ROUND)  # the same bits as the rows the tile products read
-        dkk = pk + dkn * e_row + dkg * eG + dke * kend_f
-        dqn = (pq + dqg * eG) * scale
-        # The score terms of dG as drow - kn * dkn: every (i, j) product appears once in each, with
-        # equal operands, so the pairs cancel (tf32 products included: _score_grads_tile).
-        dG = (drow - kn * dkn + dkg * kv * eG + dqg * qs * eG - dke * kv * kend_f)
-        dGC = tl.sum(dke * kv * kend_f, axis=0) + tl.load(dgc_in + (c64 * H + h) * K + cols) * tl.exp(GC)
-        dg = tl.cumsum(dG, axis=0, reverse=True) + dGC[None, :]
-        if GATE_IN_KERNEL:
-            zv = tl.load(gz + tok + offs, mask=m2, other=0.0).to(tl.float32)
-            _, s, sig = _gate(zv, A_log, dt_bias, h, cols, lower_bound, K, GATE_IN_KERNEL, HAS_DT_BIAS)
-            rate = tl.exp(tl.load(A_log + h).to(tl.float32))
-            ds = tl.where(m2, dg * lower_bound * sig * (1.0 - sig), 0.0)
-            tl.store(dgz + tok + offs, (ds * rate).to(dgz.dtype.element_ty), mask=m2)
-            tl.store(ddtb_part + (c64 * H + h) * K + cols, tl.sum(ds * rate, axis=0))
-            dA_sum += tl.sum(ds * s, axis=1)
-        else:
-            tl.store(dgz + tok + offs, dg.to(dgz.dtype.element_ty), mask=m2)
-        if L2NORM:
-            rowq += tl.sum(dqn * qv, axis=1)
-            rowk += tl.sum(dkk * kv, axis=1)
-            tl.store(dqg_in + tok + offs, dqn, mask=m2)
-            tl.store(dkend_in + tok + offs, dkk, mask=m2)
-        else:
-            tl.store(dq + tok + offs, dqn.to(dq.dtype.element_ty), mask=m2)
-            tl.store(dk + tok + offs, dkk.to(dk.dtype.element_ty), mask=m2)
-    if GATE_IN_KERNEL:
-        tl.store(dA_part + c64 * H + h, tl.sum(dA_sum, axis=0))
-    if BETA_SIGMOID:
-        db = db * bv * (1.0 - bv)
-    tl.store(dbeta + bos * H + h + rows * H, db.to(dbeta.dtype.element_ty), mask=valid)
+        tl.debug_barrier()  # every thread has read this block of dW
+        tl.store(dw_in + tok + offs, dkg, mask=m2)
 
-    # Pass 3: L2-norm backward, d x = (d xn - xn sum(d xn * xn)) / |x|, from the parked rows.
+
+@triton.jit
+def _tile_block(ptr, tok, trow, cols, n, H: tl.constexpr, K: tl.constexpr):
+    """Rows ``trow`` (0 at and past the chunk's ``n`` rows) and columns ``cols`` of a [T, H, K] tensor."""
+    return tl.load(ptr + tok + trow[:, None] * (H * K) + cols[None, :], mask=(trow < n)[:, None], other=0.0)
+
+
+@triton.jit
+def _tile_keys(q, k, beta, gcum, rnorm, bos, tok, trow, cols, n, h, H: tl.constexpr, K: tl.constexpr,
+               BETA_SIGMOID: tl.constexpr):
+    """G, normalised q and k, and b of one 16-row tile, from step 1's ``gcum`` and ``rnorm``."""
+    valid = trow < n
+    nrm = rnorm + ((bos + trow) * H + h) * 2
+    G = _tile_block(gcum, tok, trow, cols, n, H, K)
+    qv = _tile_block(q, tok, trow, cols, n, H, K).to(tl.float32) * tl.load(nrm, mask=valid, other=0.0)[:, None]
+    kv = _tile_block(k, tok, trow, cols, n, H, K).to(tl.float32) * tl.load(nrm + 1, mask=valid, other=0.0)[:, None]
+    return G, qv, kv, _chunk_beta(beta, bos, trow, valid, h, H, BETA_SIGMOID)
+
+
+@triton.jit
+def _tile_start_at(gcum, tok, b, cols, H: tl.constexpr, K: tl.constexpr):
+    """rho_b: G on the row before 16-token tile b (0 for b = 0), for one column block."""
+    return tl.load(gcum + tok + (b * TILE - 1) * (H * K) + cols, mask=cols < K * tl.minimum(b, 1), other=0.0)
+
+
+@triton.jit
+def _decay_from(G, rho, b):
+    """exp(G - rho_b) for rows at or after tile b's start (<= 1; tile 0 starts at G = 0, unclamped)."""
+    d = G - rho[None, :]
+    return tl.exp(tl.where(b > 0, tl.minimum(d, 0.0), d))
+
+
+@triton.jit
+def _bwd_kside_tile_kernel(q, k, beta, chunk_bos, chunk_eos, gcum, rnorm, dqg_in, dw_in, dkend_in, daqk_in,
+                           dt_in, dq, dk, db_part, row_part, esum_part, scale, NTOK, H: tl.constexpr,
+                           K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, L2NORM: tl.constexpr,
+                           BETA_SIGMOID: tl.constexpr, SCORE_PREC: tl.constexpr):
+    """Key side 2/3, per (chunk, head, 16-row tile i, column block): every column gradient of tile i's rows.
+
+    Score products (R = StrictTril((K Gamma)(K / Gamma)^T), Aqk likewise with Q) by 16x16 tile pairs,
+    with exp(G_r - G_s) = exp(G_r - rho_j) exp(rho_j - G_s) for key tile j: as rows, tile i against
+    key tiles j <= i; as keys, tile i against row tiles i2 >= i. The pair (i2, j) is formed once in
+    each role, by two programs, from the same operands: at tf32 they are rounded (b K F, Q F and
+    K / Gamma, F = exp(G - rho_j)) so both see equal terms and the pairs cancel in dG (left to the
+    tensor cores, d dt_bias was 2-3e-2 from float64). Then the d(Gamma Q), d(Gamma K) and
+    d(Gamma_C / Gamma K) terms, for dq, dk (unnormalised with L2NORM) and dG (over step 1's
+    d(Gamma K) in the dW scratch); partial row sums per column block (d b, the L2-norm products) and
+    the column sum of the Gamma_C term per tile go to small buffers for step 3.
+    """
+    ROUND: tl.constexpr = SCORE_PREC == "tf32"
+    NKB: tl.constexpr = K // BK
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.program_id(2) // NKB
+    kb = tl.program_id(2) % NKB
+    c64 = c.to(tl.int64)
+    bos = tl.load(chunk_bos + c).to(tl.int64)
+    n = tl.load(chunk_eos + c).to(tl.int64) - bos
+    if i * TILE >= n:
+        return
+    r = tl.arange(0, TILE)
+    cols = kb * BK + tl.arange(0, BK)
+    tok = (bos * H + h) * K
+    sq = (c64 * H + h) * BT * BT
+    rows_i = i * TILE + r
+    G_i, qv_i, kv_i, b_i = _tile_keys(q, k, beta, gcum, rnorm, bos, tok, rows_i, cols, n, h, H, K, BETA_SIGMOID)
+    qs_i = qv_i * scale
+    kf_i = kv_i * b_i[:, None]
+
+    # Tile i as rows against key tiles j <= i.
+    pk = tl.zeros([TILE, BK], dtype=tl.float32)
+    pq = tl.zeros([TILE, BK], dtype=tl.float32)
+    drow = tl.zeros([TILE, BK], dtype=tl.float32)
+    db = tl.zeros([TILE], dtype=tl.float32)
+    for j in range(0, i + 1):
+        rows_j = j * TILE + r
+        rho_j = _tile_start_at(gcum, tok, j, cols, H, K)
+        kv_j = (_tile_block(k, tok, rows_j, cols, n, H, K).to(tl.float32)
+                * tl.load(rnorm + ((bos + rows_j) * H + h) * 2 + 1, mask=rows_j < n, other=0.0)[:, None])
+        kn_j = _to_tf32(kv_j * tl.exp(rho_j[None, :] - _tile_block(gcum, tok, rows_j, cols, n, H, K)), ROUND)
+        f = _decay_from(G_i, rho_j, j)
+        u = tl.dot(tl.load(dt_in + sq + rows_i[:, None] * BT + rows_j[None, :]), kn_j, input_precision=SCORE_PREC)
+        u2 = tl.dot(tl.load(daqk_in + sq + rows_i[:, None] * BT + rows_j[None, :]), kn_j,
+                    input_precision=SCORE_PREC)
+        db += tl.sum(kv_i * f * u, axis=1)
+        pk += u * f * b_i[:, None]
+        pq += u2 * f
+        drow += _to_tf32(kf_i * f, ROUND) * u + _to_tf32(qs_i * f, ROUND) * u2
+
+    # Tile i as keys against row tiles i2 >= i: d(K / Gamma) of its rows.
+    rho_i = _tile_start_at(gcum, tok, i, cols, H, K)
+    dkn = tl.zeros([TILE, BK], dtype=tl.float32)
+    for i2 in range(i, tl.cdiv(n, TILE)):
+        rows2 = i2 * TILE + r
+        G2, qv2, kv2, b2 = _tile_keys(q, k, beta, gcum, rnorm, bos, tok, rows2, cols, n, h, H, K, BETA_SIGMOID)
+        f2 = _decay_from(G2, rho_i, i)
+        kff2 = _to_tf32(kv2 * b2[:, None] * f2, ROUND)
+        qff2 = _to_tf32(qv2 * scale * f2, ROUND)
+        dkn += tl.dot(tl.load(dt_in + sq + rows2[None, :] * BT + rows_i[:, None]), kff2, input_precision=SCORE_PREC)
+        dkn += tl.dot(tl.load(daqk_in + sq + rows2[None, :] * BT + rows_i[:, None]), qff2,
+                      input_precision=SCORE_PREC)
+
+    e_row = tl.exp(rho_i[None, :] - G_i)
+    kn = _to_tf32(kv_i * e_row, ROUND)  # the same bits as other programs' kn_j for this tile
+    eG = tl.exp(G_i)
+    kend_f = tl.exp(tl.load(gcum + tok + (n - 1) * (H * K) + cols)[None, :] - G_i)
+    dkg = _tile_block(dw_in, tok, rows_i, cols, n, H, K)
+    dqg = _tile_block(dqg_in, tok, rows_i, cols, n, H, K)
+    dke = _tile_block(dkend_in, tok, rows_i, cols, n, H, K)
+    dkk = pk + dkn * e_row + dkg * eG + dke * kend_f
+    dqn = (pq + dqg * eG) * scale
+    # The score terms of dG as drow - kn * dkn: every (r, s) product appears once in each, with
+    # equal operands, so the pairs cancel.
+    dG = drow - kn * dkn + dkg * kv_i * eG + dqg * qs_i * eG - dke * kv_i * kend_f
+    tl.store(esum_part + ((c64 * H + h) * (BT // TILE) + i) * K + cols, tl.sum(dke * kv_i * kend_f, axis=0))
+    valid = rows_i < n
+    offs = rows_i[:, None] * (H * K) + cols[None, :]
+    tl.debug_barrier()  # every thread has read its d(Gamma K), dQg and dKend rows
+    tl.store(dw_in + tok + offs, dG, mask=valid[:, None])
+    ntok_h = NTOK.to(tl.int64) * H
+    tok_row = (bos + rows_i) * H + h
+    tl.store(db_part + (1 + kb) * ntok_h + tok_row, db, mask=valid)
     if L2NORM:
-        tl.debug_barrier()
-        for kb in tl.range(0, K // BK, loop_unroll_factor=UNROLL):
-            offs = rows[:, None] * (H * K) + (kb * BK + tl.arange(0, BK))[None, :]
-            qv = tl.load(q + tok + offs, mask=m2, other=0.0).to(tl.float32) * rq[:, None]
-            kv = tl.load(k + tok + offs, mask=m2, other=0.0).to(tl.float32) * rk[:, None]
-            dqn = tl.load(dqg_in + tok + offs, mask=m2, other=0.0)
-            dkk = tl.load(dkend_in + tok + offs, mask=m2, other=0.0)
-            tl.store(dq + tok + offs, ((dqn - qv * rowq[:, None]) * rq[:, None]).to(dq.dtype.element_ty), mask=m2)
-            tl.store(dk + tok + offs, ((dkk - kv * rowk[:, None]) * rk[:, None]).to(dk.dtype.element_ty), mask=m2)
+        tl.store(dqg_in + tok + offs, dqn, mask=valid[:, None])
+        tl.store(dkend_in + tok + offs, dkk, mask=valid[:, None])
+        tl.store(row_part + kb * ntok_h + tok_row, tl.sum(dqn * qv_i, axis=1), mask=valid)
+        tl.store(row_part + (NKB + kb) * ntok_h + tok_row, tl.sum(dkk * kv_i, axis=1), mask=valid)
+    else:
+        tl.store(dq + tok + offs, dqn.to(dq.dtype.element_ty), mask=valid[:, None])
+        tl.store(dk + tok + offs, dkk.to(dk.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _bwd_kside_gate_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, gcum, rnorm, dqg_in, dw_in,
+                           dkend_in, dgc_in, esum_part, db_part, row_part, dq, dk, dgz, dbeta, dA_part, ddtb_part,
+                           lower_bound, NTOK, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                           BT: tl.constexpr, TILE_BLOCKS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
+                           HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """Key side 3/3, per (chunk, head, column block): dg = reverse cumsum of dG plus dGamma_C's share,
+    the gate backward (dz, and per-chunk A_log / dt_bias partials), the L2-norm backward d x = (d xn
+    - xn sum(d xn * xn)) / |x| from step 2's row-sum partials, and (block 0) d beta."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    kb = tl.program_id(2)
+    c64 = c.to(tl.int64)
+    ch = c64 * H + h
+    bos, eos, rows, valid = _chunk_rows(chunk_bos, chunk_eos, c, BT)
+    n = eos - bos
+    m2 = valid[:, None]
+    cols = kb * BK + tl.arange(0, BK)
+    tok = (bos * H + h) * K
+    offs = rows[:, None] * (H * K) + cols[None, :]
+    tiles = tl.arange(0, BT // TILE)
+    esum = tl.sum(tl.load(esum_part + (ch * (BT // TILE) + tiles[:, None]) * K + cols[None, :],
+                          mask=(tiles * TILE < n)[:, None], other=0.0), axis=0)
+    GC = tl.load(gcum + tok + (n - 1) * (H * K) + cols)
+    dGC = esum + tl.load(dgc_in + ch * K + cols) * tl.exp(GC)
+    dg = tl.cumsum(tl.load(dw_in + tok + offs, mask=m2, other=0.0), axis=0, reverse=True) + dGC[None, :]
+    if GATE_IN_KERNEL:
+        zv = tl.load(gz + tok + offs, mask=m2, other=0.0).to(tl.float32)
+        _, s, sig = _gate(zv, A_log, dt_bias, h, cols, lower_bound, K, GATE_IN_KERNEL, HAS_DT_BIAS)
+        rate = tl.exp(tl.load(A_log + h).to(tl.float32))
+        ds = tl.where(m2, dg * lower_bound * sig * (1.0 - sig), 0.0)
+        tl.store(dgz + tok + offs, (ds * rate).to(dgz.dtype.element_ty), mask=m2)
+        tl.store(ddtb_part + ch * K + cols, tl.sum(ds * rate, axis=0))
+        tl.store(dA_part + ch * (K // BK) + kb, tl.sum(tl.sum(ds * s, axis=1), axis=0))
+    else:
+        tl.store(dgz + tok + offs, dg.to(dgz.dtype.element_ty), mask=m2)
+    ntok_h = NTOK.to(tl.int64) * H
+    tok_row = (bos + rows) * H + h
+    slots = tl.arange(0, TILE_BLOCKS)
+    if L2NORM:
+        part = row_part + slots[:, None] * ntok_h + tok_row[None, :]
+        rowq = tl.sum(tl.load(part, mask=valid[None, :], other=0.0), axis=0)
+        rowk = tl.sum(tl.load(part + TILE_BLOCKS * ntok_h, mask=valid[None, :], other=0.0), axis=0)
+        nrm = rnorm + tok_row * 2
+        rq = tl.load(nrm, mask=valid, other=0.0)
+        rk = tl.load(nrm + 1, mask=valid, other=0.0)
+        qv = tl.load(q + tok + offs, mask=m2, other=0.0).to(tl.float32) * rq[:, None]
+        kv = tl.load(k + tok + offs, mask=m2, other=0.0).to(tl.float32) * rk[:, None]
+        dqn = tl.load(dqg_in + tok + offs, mask=m2, other=0.0)
+        dkk = tl.load(dkend_in + tok + offs, mask=m2, other=0.0)
+        tl.store(dq + tok + offs, ((dqn - qv * rowq[:, None]) * rq[:, None]).to(dq.dtype.element_ty), mask=m2)
+        tl.store(dk + tok + offs, ((dkk - kv * rowk[:, None]) * rk[:, None]).to(dk.dtype.element_ty), mask=m2)
+    if kb == 0:
+        db = tl.load(db_part + tok_row, mask=valid, other=0.0) + tl.sum(
+            tl.load(db_part + (1 + slots[:, None]) * ntok_h + tok_row[None, :], mask=valid[None, :], other=0.0), axis=0)
+        if BETA_SIGMOID:
+            bv = _chunk_beta(beta, bos, rows, valid, h, H, BETA_SIGMOID)
+            db = db * bv * (1.0 - bv)
+        tl.store(dbeta + tok_row, db.to(dbeta.dtype.element_ty), mask=valid)

@@ -2,7 +2,7 @@
 compile seconds, registers, stack frame (spills), shared memory and SASS instructions per kernel
 (static count per warp; kernels/bench/sass_lines.py splits it by source line and loop).
 
-    python kernels/bench/compile_report.py [--kernels kside,vside] [--tuning 'kside_unroll=8']
+    python kernels/bench/compile_report.py [--kernels ktile,vside] [--tuning 'ktile_bk=16']
 
 Launch choices come from ``moe_lc_kernels.kda.TUNING`` (plus ``--tuning``), with the shapes of the
 benchmarks: bf16 inputs, H=16, K=V=128, gate/norm/beta inside the kernels. Pointer arguments are
@@ -58,10 +58,18 @@ def launches(tuning: dict) -> dict:
                                              PREC=tuning["bwd_prec"]),
                   {"x_in", "dqg_out", "dw_out", "dkend_out", "daqk_out", "dt_out", "dgc_out"} | states,
                   tuning["vside_warps"], 1, tuning["vside_maxnreg"]),
-        "kside": (kt._bwd_kside_kernel, dict(dims, H=16, BK=tuning["kside_bk"], PREC=tuning["bwd_prec"],
-                                             SCORE_PREC=tuning["score_prec"], UNROLL=tuning["kside_unroll"], **flags),
-                  params | {"x_in", "dqg_in", "dw_in", "dkend_in", "daqk_in", "dt_in", "dgc_in", "dA_part",
-                            "ddtb_part"}, tuning["kside_warps"], 1, tuning["kside_maxnreg"]),
+        "kside": (kt._bwd_kside_chunk_kernel, dict(dims, H=16, BK=tuning["kside_bk"], PREC=tuning["bwd_prec"],
+                                                   SCORE_PREC=tuning["score_prec"], **flags),
+                  params | {"x_in", "dw_in", "daqk_in", "dt_in", "gcum", "rnorm", "db_part"}, tuning["kside_warps"], 1,
+                  0),
+        "ktile": (kt._bwd_kside_tile_kernel, dict(dims, H=16, BK=tuning["ktile_bk"], SCORE_PREC=tuning["score_prec"],
+                                                  L2NORM=True, BETA_SIGMOID=True),
+                  {"gcum", "rnorm", "dqg_in", "dw_in", "dkend_in", "daqk_in", "dt_in", "db_part", "row_part",
+                   "esum_part"}, tuning["ktile_warps"], 1, 0),
+        "kgate": (kt._bwd_kside_gate_kernel, dict(dims, H=16, BK=tuning["kgate_bk"],
+                                                  TILE_BLOCKS=128 // tuning["ktile_bk"], **flags),
+                  params | {"gcum", "rnorm", "dqg_in", "dw_in", "dkend_in", "dgc_in", "esum_part", "db_part",
+                            "row_part", "dA_part", "ddtb_part"}, tuning["kgate_warps"], 1, 0),
     }
 
 
@@ -71,7 +79,7 @@ def signature(fn, constexprs: dict, fp32: set) -> dict:
             return "constexpr"
         if name in FLOAT_SCALARS:
             return "fp32"
-        if name == "H":
+        if name in ("H", "NTOK"):
             return "i32"
         if name in INDEX_TABLES:
             return "*i32"
@@ -119,7 +127,7 @@ def compile_one(fn, constexprs: dict, fp32: set, warps: int, stages: int, maxnre
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--kernels", default="prep,inverse,wu,state_fwd,state_bwd,vside,kside")
+    p.add_argument("--kernels", default="prep,inverse,wu,state_fwd,state_bwd,vside,kside,ktile,kgate")
     p.add_argument("--tuning", default="", help="TUNING overrides, 'key=value,...'")
     p.add_argument("--json", action="store_true", help="one JSON object per kernel instead of the table")
     args = p.parse_args(argv)
