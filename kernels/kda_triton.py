@@ -625,10 +625,9 @@ def _bwd_kside_tile_kernel(q, k, beta, chunk_bos, chunk_eos, gcum, rnorm, dqg_in
     kf_i = kv_i * b_i[:, None]
 
     # Tile i as rows against key tiles j <= i.
-    pk = tl.zeros([TILE, BK], dtype=tl.float32)
+    pr = tl.zeros([TILE, BK], dtype=tl.float32)  # sum_j F (dA K/Gamma): d b and the row part of dk
     pq = tl.zeros([TILE, BK], dtype=tl.float32)
     drow = tl.zeros([TILE, BK], dtype=tl.float32)
-    db = tl.zeros([TILE], dtype=tl.float32)
     for j in range(0, i + 1):
         rows_j = j * TILE + r
         rho_j = _tile_start_at(gcum, tok, j, cols, H, K)
@@ -639,9 +638,8 @@ def _bwd_kside_tile_kernel(q, k, beta, chunk_bos, chunk_eos, gcum, rnorm, dqg_in
         u = tl.dot(tl.load(dt_in + sq + rows_i[:, None] * BT + rows_j[None, :]), kn_j, input_precision=SCORE_PREC)
         u2 = tl.dot(tl.load(daqk_in + sq + rows_i[:, None] * BT + rows_j[None, :]), kn_j,
                     input_precision=SCORE_PREC)
-        db += tl.sum(kv_i * f * u, axis=1)
-        pk += u * f * b_i[:, None]
-        pq += u2 * f
+        pr += f * u
+        pq += f * u2
         drow += _to_tf32(kf_i * f, ROUND) * u + _to_tf32(qs_i * f, ROUND) * u2
 
     # Tile i as keys against row tiles i2 >= i: d(K / Gamma) of its rows.
@@ -664,7 +662,7 @@ def _bwd_kside_tile_kernel(q, k, beta, chunk_bos, chunk_eos, gcum, rnorm, dqg_in
     dkg = _tile_block(dw_in, tok, rows_i, cols, n, H, K)
     dqg = _tile_block(dqg_in, tok, rows_i, cols, n, H, K)
     dke = _tile_block(dkend_in, tok, rows_i, cols, n, H, K)
-    dkk = pk + dkn * e_row + dkg * eG + dke * kend_f
+    dkk = pr * b_i[:, None] + dkn * e_row + dkg * eG + dke * kend_f
     dqn = (pq + dqg * eG) * scale
     # The score terms of dG as drow - kn * dkn: every (r, s) product appears once in each, with
     # equal operands, so the pairs cancel.
@@ -676,7 +674,7 @@ def _bwd_kside_tile_kernel(q, k, beta, chunk_bos, chunk_eos, gcum, rnorm, dqg_in
     tl.store(dw_in + tok + offs, dG, mask=valid[:, None])
     ntok_h = NTOK.to(tl.int64) * H
     tok_row = (bos + rows_i) * H + h
-    tl.store(db_part + (1 + kb) * ntok_h + tok_row, db, mask=valid)
+    tl.store(db_part + (1 + kb) * ntok_h + tok_row, tl.sum(kv_i * pr, axis=1), mask=valid)
     if L2NORM:
         tl.store(dqg_in + tok + offs, dqn, mask=valid[:, None])
         tl.store(dkend_in + tok + offs, dkk, mask=valid[:, None])
