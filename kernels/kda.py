@@ -46,7 +46,7 @@ CHUNK = 64
 TUNING = dict(save_prep="inverse", prep_warps=8, prep_bk=16, prep_maxnreg=128, inv_warps=2, wu_warps=4,
               state_warps=4, state_stages=1, bwd_states="fp32", state_prec="tf32", bwd_prec="tf32",
               score_prec="tf32", vside_warps=4, vside_bv=64, vside_maxnreg=0, kside_warps=4, kside_bk=16,
-              ktile_warps=4, ktile_bk=32, kgate_warps=4, kgate_bk=32)
+              ktile_warps=4, ktile_bk=64, ktile_maxnreg=168, kgate_warps=4, kgate_bk=32)
 _PRECISIONS = ("tf32", "tf32x3", "ieee")
 _TEXT_TUNING = {"save_prep": ("none", "inverse", "all"), "bwd_states": ("fp32", "bf16"),
                 "state_prec": ("tf32", "bf16"), "bwd_prec": _PRECISIONS, "score_prec": _PRECISIONS}
@@ -325,7 +325,7 @@ def _bwd_kside(kt, q: Tensor, k: Tensor, gz: Tensor, beta: Tensor, A_log: Tensor
         q, k, beta, plan.chunk_bos, plan.chunk_eos, gcum, rnorm, scratch["dqg"], scratch["dw"], scratch["dkend"],
         scratch["daqk"], scratch["dt"], dq, dk, db_part, row_part, esum_part, flags.scale, total, heads,
         K=key_dim, BK=tile_bk, BT=CHUNK, L2NORM=flags.l2norm, BETA_SIGMOID=flags.beta_sigmoid,
-        SCORE_PREC=score_prec, num_warps=TUNING["ktile_warps"], num_stages=1)
+        SCORE_PREC=score_prec, num_warps=TUNING["ktile_warps"], num_stages=1, **_register_cap("ktile"))
     kt._bwd_kside_gate_kernel[(plan.num_chunks, heads, key_dim // gate_bk)](
         q, k, gz, beta, A_log, dt_bias, plan.chunk_bos, plan.chunk_eos, gcum, rnorm, scratch["dqg"], scratch["dw"],
         scratch["dkend"], scratch["dgc"], esum_part, db_part, row_part, dq, dk, dgz, dbeta, dA_part, ddtb_part,

@@ -39,6 +39,7 @@ import triton.language as tl
 
 TILE = tl.constexpr(16)
 NORM_EPS = tl.constexpr(1e-6)
+LOG2E = tl.constexpr(1.4426950408889634)  # G in log2 units: exp(G) = exp2(G log2(e)), one instruction
 
 
 # ----------------------------------------------------------------------------- shared pieces
@@ -506,7 +507,7 @@ def _bwd_kside_chunk_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos
                             L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr,
                             SCORE_PREC: tl.constexpr):
     """Key side 1/3, per (chunk, head): the L2-norm reciprocals (into ``rnorm``) and the cumsum G (into
-    ``gcum``) for the later steps; dT += dW (Gamma K)^T, then the UT backward (T = X Diag(b), X = (I +
+    ``gcum``, in log2 units: the later steps take exp2) for the later steps; dT += dW (Gamma K)^T, then the UT backward (T = X Diag(b), X = (I +
     Diag(b) R)^-1): its share of d b (``db_part`` slot 0), dA over dT in its scratch, and d(Gamma K) =
     T^T dW over dW in its scratch. At SCORE_PREC="tf32" dA and dAqk are rounded to tf32 here, once,
     because step 2 reads their slabs in both orientations (see _bwd_kside_tile_kernel)."""
@@ -536,7 +537,7 @@ def _bwd_kside_chunk_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos
         offs = rows[:, None] * (H * K) + cols[None, :]
         kv, g, G = _cols_kg(k + tok, gz + tok, A_log, dt_bias, offs, m2, h, lower_bound, rk, cols, K,
                             GATE_IN_KERNEL, HAS_DT_BIAS)
-        tl.store(gcum + tok + offs, G, mask=m2)
+        tl.store(gcum + tok + offs, G * LOG2E, mask=m2)
         dWb = tl.load(dw_in + tok + offs, mask=m2, other=0.0)
         dT += tl.dot(dWb, tl.trans(kv * tl.exp(G)), input_precision=PREC)
     X = tl.load(x_in + sq + rows[:, None] * BT + cb[None, :])
@@ -582,9 +583,10 @@ def _tile_start_at(gcum, tok, b, cols, H: tl.constexpr, K: tl.constexpr):
 
 @triton.jit
 def _decay_from(G, rho, b):
-    """exp(G - rho_b) for rows at or after tile b's start (<= 1; tile 0 starts at G = 0, unclamped)."""
+    """exp(G - rho_b) for rows at or after tile b's start (<= 1; tile 0 starts at G = 0, unclamped), G and
+    rho in log2 units."""
     d = G - rho[None, :]
-    return tl.exp(tl.where(b > 0, tl.minimum(d, 0.0), d))
+    return tl.exp2(tl.where(b > 0, tl.minimum(d, 0.0), d))
 
 
 @triton.jit
@@ -633,7 +635,7 @@ def _bwd_kside_tile_kernel(q, k, beta, chunk_bos, chunk_eos, gcum, rnorm, dqg_in
         rho_j = _tile_start_at(gcum, tok, j, cols, H, K)
         kv_j = (_tile_block(k, tok, rows_j, cols, n, H, K).to(tl.float32)
                 * tl.load(rnorm + ((bos + rows_j) * H + h) * 2 + 1, mask=rows_j < n, other=0.0)[:, None])
-        kn_j = _to_tf32(kv_j * tl.exp(rho_j[None, :] - _tile_block(gcum, tok, rows_j, cols, n, H, K)), ROUND)
+        kn_j = _to_tf32(kv_j * tl.exp2(rho_j[None, :] - _tile_block(gcum, tok, rows_j, cols, n, H, K)), ROUND)
         f = _decay_from(G_i, rho_j, j)
         u = tl.dot(tl.load(dt_in + sq + rows_i[:, None] * BT + rows_j[None, :]), kn_j, input_precision=SCORE_PREC)
         u2 = tl.dot(tl.load(daqk_in + sq + rows_i[:, None] * BT + rows_j[None, :]), kn_j,
@@ -655,10 +657,10 @@ def _bwd_kside_tile_kernel(q, k, beta, chunk_bos, chunk_eos, gcum, rnorm, dqg_in
         dkn += tl.dot(tl.load(daqk_in + sq + rows2[None, :] * BT + rows_i[:, None]), qff2,
                       input_precision=SCORE_PREC)
 
-    e_row = tl.exp(rho_i[None, :] - G_i)
+    e_row = tl.exp2(rho_i[None, :] - G_i)
     kn = _to_tf32(kv_i * e_row, ROUND)  # the same bits as other programs' kn_j for this tile
-    eG = tl.exp(G_i)
-    kend_f = tl.exp(tl.load(gcum + tok + (n - 1) * (H * K) + cols)[None, :] - G_i)
+    eG = tl.exp2(G_i)
+    kend_f = tl.exp2(tl.load(gcum + tok + (n - 1) * (H * K) + cols)[None, :] - G_i)
     dkg = _tile_block(dw_in, tok, rows_i, cols, n, H, K)
     dqg = _tile_block(dqg_in, tok, rows_i, cols, n, H, K)
     dke = _tile_block(dkend_in, tok, rows_i, cols, n, H, K)
@@ -709,7 +711,7 @@ def _bwd_kside_gate_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
     esum = tl.sum(tl.load(esum_part + (ch * (BT // TILE) + tiles[:, None]) * K + cols[None, :],
                           mask=(tiles * TILE < n)[:, None], other=0.0), axis=0)
     GC = tl.load(gcum + tok + (n - 1) * (H * K) + cols)
-    dGC = esum + tl.load(dgc_in + ch * K + cols) * tl.exp(GC)
+    dGC = esum + tl.load(dgc_in + ch * K + cols) * tl.exp2(GC)
     dg = tl.cumsum(tl.load(dw_in + tok + offs, mask=m2, other=0.0), axis=0, reverse=True) + dGC[None, :]
     if GATE_IN_KERNEL:
         zv = tl.load(gz + tok + offs, mask=m2, other=0.0).to(tl.float32)

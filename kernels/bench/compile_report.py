@@ -65,7 +65,7 @@ def launches(tuning: dict) -> dict:
         "ktile": (kt._bwd_kside_tile_kernel, dict(dims, H=16, BK=tuning["ktile_bk"], SCORE_PREC=tuning["score_prec"],
                                                   L2NORM=True, BETA_SIGMOID=True),
                   {"gcum", "rnorm", "dqg_in", "dw_in", "dkend_in", "daqk_in", "dt_in", "db_part", "row_part",
-                   "esum_part"}, tuning["ktile_warps"], 1, 0),
+                   "esum_part"}, tuning["ktile_warps"], 1, tuning["ktile_maxnreg"]),
         "kgate": (kt._bwd_kside_gate_kernel, dict(dims, H=16, BK=tuning["kgate_bk"],
                                                   TILE_BLOCKS=128 // tuning["ktile_bk"], **flags),
                   params | {"gcum", "rnorm", "dqg_in", "dw_in", "dkend_in", "dgc_in", "esum_part", "db_part",
