@@ -43,7 +43,8 @@ CHUNK = 64
 # 40.35 -> 36.01 at B=1,T=64K) or "all" (every prep output, ~1.4x; 16.53 / 34.90 ms).
 # ``bwd_states="bf16"`` (states and their gradients stored in bf16 for the backward): ~8% faster, but
 # d A_log 8.0e-3 from float64 on one H200 fuzz case (3.0e-3 with fp32), too close to the 1e-2 bar.
-TUNING = dict(save_prep="inverse", prep_warps=8, prep_bk=16, prep_maxnreg=128, inv_warps=2, wu_warps=4,
+TUNING = dict(save_prep="inverse", prep_warps=4, prep_bk=32, prep_maxnreg=0, score_warps=4, score_bk=64,
+              inv_warps=2, wu_warps=4,
               state_warps=4, state_stages=1, bwd_states="fp32", state_prec="tf32", bwd_prec="tf32",
               score_prec="tf32", vside_warps=4, vside_bv=64, vside_maxnreg=0, kside_warps=4, kside_bk=16,
               ktile_warps=4, ktile_bk=64, ktile_maxnreg=168, kgate_warps=4, kgate_bk=32)
@@ -190,14 +191,24 @@ def _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan: _Plan, flags: _Flags, cfg
     a_log = A_log if A_log is not None else gc
     dtb = dt_bias if dt_bias is not None else gc
     grid = (plan.num_chunks, heads)
+    if scores is None:  # the scores kernel reads G (log2 units) and the row norms
+        gcum = torch.empty(total, heads, key_dim, device=q.device, dtype=torch.float32)
+        rnorm = torch.empty(total, heads, 2, device=q.device, dtype=torch.float32)
+    else:
+        gcum = rnorm = gc
     # w holds Gamma K until _wu_kernel turns it into W; x holds A until _ut_inverse_kernel turns it into X
-    kt._prep_blocked_kernel[grid](q, k, gz, beta, a_log, dtb, plan.chunk_bos, plan.chunk_eos, w, qg, kend, aqk, gc, x,
-                                  flags.scale, flags.lower_bound, heads, K=key_dim, BK=min(TUNING["prep_bk"], key_dim),
-                                  BT=CHUNK, GATE_IN_KERNEL=flags.gate_in_kernel, HAS_DT_BIAS=dt_bias is not None,
-                                  L2NORM=flags.l2norm, BETA_SIGMOID=flags.beta_sigmoid, DOT_PREC=cfg["dot"],
-                                  SCORES=scores is None, num_warps=TUNING["prep_warps"],
-                                  num_stages=1, **_register_cap("prep"))
-    if scores is None:  # the 16x16 inverse products run in exact fp32
+    kt._prep_blocked_kernel[grid](q, k, gz, beta, a_log, dtb, plan.chunk_bos, plan.chunk_eos, w, qg, kend, gc, gcum,
+                                  rnorm, flags.scale, flags.lower_bound, heads, K=key_dim,
+                                  BK=min(TUNING["prep_bk"], key_dim), BT=CHUNK, GATE_IN_KERNEL=flags.gate_in_kernel,
+                                  HAS_DT_BIAS=dt_bias is not None, L2NORM=flags.l2norm, SCORES=scores is None,
+                                  num_warps=TUNING["prep_warps"], num_stages=1, **_register_cap("prep"))
+    if scores is None:
+        kt._prep_scores_kernel[(plan.num_chunks, heads, 10)](
+            q, k, beta, plan.chunk_bos, plan.chunk_eos, gcum, rnorm, aqk, x, flags.scale, heads, K=key_dim,
+            BK=min(TUNING["score_bk"], key_dim), BT=CHUNK, BETA_SIGMOID=flags.beta_sigmoid, DOT_PREC=cfg["dot"],
+            num_warps=TUNING["score_warps"], num_stages=1)
+        del gcum, rnorm
+        # the 16x16 inverse products run in exact fp32
         kt._ut_inverse_kernel[grid](x, heads, BT=CHUNK, INV_PREC="ieee", num_warps=TUNING["inv_warps"], num_stages=1)
     kt._wu_kernel[grid](v, beta, x, plan.chunk_bos, plan.chunk_eos, w, u, heads, K=key_dim, V=value_dim, BT=CHUNK,
                         BC=min(64, key_dim, value_dim), BETA_SIGMOID=flags.beta_sigmoid, DOT_PREC=cfg["dot"],

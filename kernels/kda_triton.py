@@ -81,59 +81,35 @@ def _chunk_beta(beta, bos, rows, valid, h, H, BETA_SIGMOID: tl.constexpr):
 
 
 @triton.jit
-def _tile_start(G, rows, BT: tl.constexpr):
-    """rho_b (log-decay at the start of 16-token tile b, b = 1..3) and rho for every row's own tile."""
-    r1 = tl.sum(tl.where(rows[:, None] == 15, G, 0.0), axis=0)
-    r2 = tl.sum(tl.where(rows[:, None] == 31, G, 0.0), axis=0)
-    r3 = tl.sum(tl.where(rows[:, None] == 47, G, 0.0), axis=0)
-    tile = (rows // 16)[:, None]
-    rho_row = tl.where(tile == 1, r1[None, :], tl.where(tile == 2, r2[None, :], tl.where(tile == 3, r3[None, :], 0.0)))
-    return r1, r2, r3, rho_row
+def _tile_block(ptr, tok, trow, cols, n, H: tl.constexpr, K: tl.constexpr):
+    """Rows ``trow`` (0 at and past the chunk's ``n`` rows) and columns ``cols`` of a [T, H, K] tensor."""
+    return tl.load(ptr + tok + trow[:, None] * (H * K) + cols[None, :], mask=(trow < n)[:, None], other=0.0)
 
 
 @triton.jit
-def _from_tile(G, rho, rows, start: tl.constexpr):
-    """exp(G_i - rho) for rows at or after ``start`` (<= 1), 0 before (masked; never overflows)."""
-    return tl.where(rows[:, None] >= start, tl.exp(tl.minimum(G - rho[None, :], 0.0)), 0.0)
+def _tile_keys(q, k, beta, gcum, rnorm, bos, tok, trow, cols, n, h, H: tl.constexpr, K: tl.constexpr,
+               BETA_SIGMOID: tl.constexpr):
+    """G (log2 units), normalised q and k, and b of one 16-row tile, from ``gcum`` and ``rnorm``."""
+    valid = trow < n
+    nrm = rnorm + ((bos + trow) * H + h) * 2
+    G = _tile_block(gcum, tok, trow, cols, n, H, K)
+    qv = _tile_block(q, tok, trow, cols, n, H, K).to(tl.float32) * tl.load(nrm, mask=valid, other=0.0)[:, None]
+    kv = _tile_block(k, tok, trow, cols, n, H, K).to(tl.float32) * tl.load(nrm + 1, mask=valid, other=0.0)[:, None]
+    return G, qv, kv, _chunk_beta(beta, bos, trow, valid, h, H, BETA_SIGMOID)
 
 
 @triton.jit
-def _tile_decay(G, r1, r2, r3, rows, b: tl.constexpr):
-    """F_b = exp(G - rho_b) for rows at or after key tile b's start (0 before); tile 0 starts at G = 0."""
-    if b == 0:
-        f = tl.exp(G)
-    elif b == 1:
-        f = _from_tile(G, r1, rows, 16)
-    elif b == 2:
-        f = _from_tile(G, r2, rows, 32)
-    else:
-        f = _from_tile(G, r3, rows, 48)
-    return f
+def _tile_start_at(gcum, tok, b, cols, H: tl.constexpr, K: tl.constexpr):
+    """rho_b: G on the row before 16-token tile b (0 for b = 0), for one column block."""
+    return tl.load(gcum + tok + (b * TILE - 1) * (H * K) + cols, mask=cols < K * tl.minimum(b, 1), other=0.0)
 
 
 @triton.jit
-def _in_tile(x, rows, b: tl.constexpr):
-    return tl.where((rows // 16)[:, None] == b, x, 0.0)
-
-
-@triton.jit
-def _add_tile_scores(qs, kv, kn, f, rows, b: tl.constexpr, R, Aqk, DOT_PREC: tl.constexpr):
-    """Key tile b's share: R += (K F_b)(K E in tile b)^T, Aqk += (Q F_b)(K E in tile b)^T."""
-    kn_b = tl.trans(_in_tile(kn, rows, b))
-    R = tl.dot(kv * f, kn_b, R, input_precision=DOT_PREC)
-    Aqk = tl.dot(qs * f, kn_b, Aqk, input_precision=DOT_PREC)
-    return R, Aqk
-
-
-@triton.jit
-def _add_scores(qs, kv, G, rows, R, Aqk, BT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """R += (K Gamma)(K/Gamma)^T and Aqk += (Q Gamma)(K/Gamma)^T over some key columns, one matmul
-    per key tile (unmasked: the caller masks once after summing every block of columns)."""
-    r1, r2, r3, rho_row = _tile_start(G, rows, BT)
-    kn = kv * tl.exp(rho_row - G)  # K / Gamma relative to the own tile's start: <= e^(16 |g_min|)
-    for b in tl.static_range(BT // 16):
-        R, Aqk = _add_tile_scores(qs, kv, kn, _tile_decay(G, r1, r2, r3, rows, b), rows, b, R, Aqk, DOT_PREC)
-    return R, Aqk
+def _decay_from(G, rho, b):
+    """exp(G - rho_b) for rows at or after tile b's start (<= 1; tile 0 starts at G = 0, unclamped), G and
+    rho in log2 units."""
+    d = G - rho[None, :]
+    return tl.exp2(tl.where(b > 0, tl.minimum(d, 0.0), d))
 
 
 @triton.jit
@@ -185,19 +161,6 @@ def _row_norms(x, bos, eos, h, H, K: tl.constexpr, BK: tl.constexpr, BT: tl.cons
 
 
 @triton.jit
-def _store_scores(R, Aqk, beta, aqk_out, a_out, c, h, H, bos, rows, valid,
-                  BT: tl.constexpr, BETA_SIGMOID: tl.constexpr):
-    """Masks and stores Aqk, and A = Diag(b) R (strictly lower) where _ut_inverse_kernel turns it into X."""
-    m2 = valid[:, None]
-    bv = _chunk_beta(beta, bos, rows, valid, h, H, BETA_SIGMOID)
-    R = tl.where(rows[:, None] > rows[None, :], R, 0.0)
-    Aqk = tl.where(rows[:, None] >= rows[None, :], Aqk, 0.0)
-    tl.store(aqk_out + ((bos + rows)[:, None] * H + h) * BT + rows[None, :], Aqk.to(aqk_out.dtype.element_ty), mask=m2)
-    abase = (c.to(tl.int64) * H + h) * BT * BT
-    tl.store(a_out + abase + rows[:, None] * BT + rows[None, :], R * bv[:, None])
-
-
-@triton.jit
 def _ut_inverse_kernel(x, H, BT: tl.constexpr, INV_PREC: tl.constexpr):
     """X = (I + A)^-1 in place for one chunk's strictly lower A, by 16x16 blocks: X_aa = (I + A_aa)^-1
     as a product of powers, X_ab = -X_aa sum_{b<=c<a} A_ac X_cb, all exact fp32 products. A kernel of
@@ -240,48 +203,98 @@ def _ut_inverse_kernel(x, H, BT: tl.constexpr, INV_PREC: tl.constexpr):
 
 @triton.jit
 def _prep_blocked_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
-                         kg_out, qg_out, kend_out, aqk_out, gc_out, x_out,
+                         kg_out, qg_out, kend_out, gc_out, gcum, rnorm,
                          scale, lower_bound, H,
                          K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                          GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
-                         BETA_SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr, SCORES: tl.constexpr = True):
-    """Per chunk: Gamma Q, Gamma K, Gamma_C / Gamma K, Gamma_C, and (with SCORES) Aqk and
-    A = Diag(b) R into ``x_out``; without SCORES only the elementwise outputs (Aqk and X kept from
-    the forward).
-
-    Everything but the row norms is separable over the key dimension, so the scores are summed
-    over blocks of BK key columns ([BT, BK] tiles: few live registers). _ut_inverse_kernel then
-    turns A into X = (I + A)^-1 and ``_wu_kernel`` forms W and U.
-    """
+                         SCORES: tl.constexpr):
+    """Per chunk: Gamma Q, Gamma K, Gamma_C / Gamma K and Gamma_C, in blocks of BK key columns; with
+    SCORES also the cumsum G (log2 units, into ``gcum``) and the row norms (into ``rnorm``) for
+    _prep_scores_kernel. Without SCORES (the backward, Aqk and X kept from the forward) only the
+    elementwise outputs."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     bos, eos, rows, valid = _chunk_rows(chunk_bos, chunk_eos, c, BT)
     m2 = valid[:, None]
     if L2NORM:
-        rq = _row_norms(q, bos, eos, h, H, K, BK, BT) * scale
+        rq = _row_norms(q, bos, eos, h, H, K, BK, BT)
         rk = _row_norms(k, bos, eos, h, H, K, BK, BT)
     else:
-        rq = tl.full([BT], 1.0, tl.float32) * scale
+        rq = tl.full([BT], 1.0, tl.float32)
         rk = tl.full([BT], 1.0, tl.float32)
-    R = tl.zeros([BT, BT], dtype=tl.float32)
-    Aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    if SCORES:
+        nrm = rnorm + ((bos + rows) * H + h) * 2
+        tl.store(nrm, rq, mask=valid)
+        tl.store(nrm + 1, rk, mask=valid)
     for kb in tl.static_range(K // BK):
         cols = kb * BK + tl.arange(0, BK)
         offs = ((bos + rows)[:, None] * H + h) * K + cols[None, :]
-        qv = tl.load(q + offs, mask=m2, other=0.0).to(tl.float32) * rq[:, None]
+        qv = tl.load(q + offs, mask=m2, other=0.0).to(tl.float32) * (rq * scale)[:, None]
         kv = tl.load(k + offs, mask=m2, other=0.0).to(tl.float32) * rk[:, None]
         zv = tl.load(gz + offs, mask=m2, other=0.0).to(tl.float32)
         g, _, _ = _gate(zv, A_log, dt_bias, h, cols, lower_bound, K, GATE_IN_KERNEL, HAS_DT_BIAS)
         G = tl.cumsum(tl.where(m2, g, 0.0), axis=0)
-        R, Aqk = _add_scores(qv, kv, G, rows, R, Aqk, BT, DOT_PREC)  # dead code without SCORES: removed
+        if SCORES:
+            tl.store(gcum + offs, G * LOG2E, mask=m2)
         eG = tl.exp(G)
         GC = tl.sum(tl.where(rows[:, None] == BT - 1, G, 0.0), axis=0)
         tl.store(qg_out + offs, (qv * eG).to(qg_out.dtype.element_ty), mask=m2)
         tl.store(kg_out + offs, (kv * eG).to(kg_out.dtype.element_ty), mask=m2)
         tl.store(kend_out + offs, (kv * tl.exp(GC[None, :] - G)).to(kend_out.dtype.element_ty), mask=m2)
         tl.store(gc_out + (c.to(tl.int64) * H + h) * K + cols, tl.exp(GC))
-    if SCORES:
-        _store_scores(R, Aqk, beta, aqk_out, x_out, c, h, H, bos, rows, valid, BT, BETA_SIGMOID)
+
+
+@triton.jit
+def _prep_scores_kernel(q, k, beta, chunk_bos, chunk_eos, gcum, rnorm, aqk_out, a_out, scale, H: tl.constexpr,
+                        K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+                        DOT_PREC: tl.constexpr):
+    """One 16x16 tile pair (i >= j) of a chunk's scores, summed over the key dimension: Aqk_ij and
+    A_ij = Diag(b_i) R_ij into ``a_out`` (where _ut_inverse_kernel turns A into X). Ten pairs per
+    chunk, one program each (the program of a diagonal pair also zeroes the blocks right of it).
+
+    For key tile j, exp(G_r - G_s) = exp(G_r - rho_j) exp(rho_j - G_s): the first factor is at most
+    1, the second at most exp(16 |g_min|) = e^80, finite in fp32 (the bounded gate), so every pair,
+    diagonal ones included, is one dense product.
+    """
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.program_id(2)
+    i = (p >= 1).to(tl.int32) + (p >= 3).to(tl.int32) + (p >= 6).to(tl.int32)
+    j = p - i * (i + 1) // 2
+    bos = tl.load(chunk_bos + c).to(tl.int64)
+    n = tl.load(chunk_eos + c).to(tl.int64) - bos
+    r = tl.arange(0, TILE)
+    rows_i = i * TILE + r
+    rows_j = j * TILE + r
+    tok = (bos * H + h) * K
+    R = tl.zeros([TILE, TILE], dtype=tl.float32)
+    Aqk = tl.zeros([TILE, TILE], dtype=tl.float32)
+    if i * TILE < n:  # a tile past the end keeps zeros (X must stay finite there); rho_j is then in range
+        for kb in tl.static_range(K // BK):
+            cols = kb * BK + tl.arange(0, BK)
+            G_i, qv_i, kv_i, _ = _tile_keys(q, k, beta, gcum, rnorm, bos, tok, rows_i, cols, n, h, H, K, False)
+            rho_j = _tile_start_at(gcum, tok, j, cols, H, K)
+            kv_j = (_tile_block(k, tok, rows_j, cols, n, H, K).to(tl.float32)
+                    * tl.load(rnorm + ((bos + rows_j) * H + h) * 2 + 1, mask=rows_j < n, other=0.0)[:, None])
+            kn_j = tl.trans(kv_j * tl.exp2(rho_j[None, :] - _tile_block(gcum, tok, rows_j, cols, n, H, K)))
+            f = _decay_from(G_i, rho_j, j)
+            R = tl.dot(kv_i * f, kn_j, R, input_precision=DOT_PREC)
+            Aqk = tl.dot(qv_i * scale * f, kn_j, Aqk, input_precision=DOT_PREC)
+    R = tl.where((i > j) | (r[:, None] > r[None, :]), R, 0.0)
+    Aqk = tl.where((i > j) | (r[:, None] >= r[None, :]), Aqk, 0.0)
+    valid = rows_i < n
+    b = _chunk_beta(beta, bos, rows_i, valid, h, H, BETA_SIGMOID)
+    abase = a_out + (c.to(tl.int64) * H + h) * BT * BT + rows_i[:, None] * BT
+    aqk_rows = aqk_out + ((bos + rows_i) * H + h)[:, None] * BT
+    tl.store(abase + rows_j[None, :], R * b[:, None])
+    tl.store(aqk_rows + rows_j[None, :], Aqk.to(aqk_out.dtype.element_ty), mask=valid[:, None])
+    if i == j:
+        zero = tl.zeros([TILE, TILE], dtype=tl.float32)
+        for j2 in tl.static_range(1, BT // TILE):
+            cols_j2 = r + j2 * TILE
+            right = (cols_j2 >= (i + 1) * TILE)[None, :]  # blocks right of the diagonal
+            tl.store(abase + cols_j2[None, :], zero, mask=right)
+            tl.store(aqk_rows + cols_j2[None, :], zero.to(aqk_out.dtype.element_ty), mask=right & valid[:, None])
 
 
 @triton.jit
@@ -555,38 +568,6 @@ def _bwd_kside_chunk_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos
         dkg = tl.dot(tl.trans(T), tl.load(dw_in + tok + offs, mask=m2, other=0.0), input_precision=PREC)
         tl.debug_barrier()  # every thread has read this block of dW
         tl.store(dw_in + tok + offs, dkg, mask=m2)
-
-
-@triton.jit
-def _tile_block(ptr, tok, trow, cols, n, H: tl.constexpr, K: tl.constexpr):
-    """Rows ``trow`` (0 at and past the chunk's ``n`` rows) and columns ``cols`` of a [T, H, K] tensor."""
-    return tl.load(ptr + tok + trow[:, None] * (H * K) + cols[None, :], mask=(trow < n)[:, None], other=0.0)
-
-
-@triton.jit
-def _tile_keys(q, k, beta, gcum, rnorm, bos, tok, trow, cols, n, h, H: tl.constexpr, K: tl.constexpr,
-               BETA_SIGMOID: tl.constexpr):
-    """G, normalised q and k, and b of one 16-row tile, from step 1's ``gcum`` and ``rnorm``."""
-    valid = trow < n
-    nrm = rnorm + ((bos + trow) * H + h) * 2
-    G = _tile_block(gcum, tok, trow, cols, n, H, K)
-    qv = _tile_block(q, tok, trow, cols, n, H, K).to(tl.float32) * tl.load(nrm, mask=valid, other=0.0)[:, None]
-    kv = _tile_block(k, tok, trow, cols, n, H, K).to(tl.float32) * tl.load(nrm + 1, mask=valid, other=0.0)[:, None]
-    return G, qv, kv, _chunk_beta(beta, bos, trow, valid, h, H, BETA_SIGMOID)
-
-
-@triton.jit
-def _tile_start_at(gcum, tok, b, cols, H: tl.constexpr, K: tl.constexpr):
-    """rho_b: G on the row before 16-token tile b (0 for b = 0), for one column block."""
-    return tl.load(gcum + tok + (b * TILE - 1) * (H * K) + cols, mask=cols < K * tl.minimum(b, 1), other=0.0)
-
-
-@triton.jit
-def _decay_from(G, rho, b):
-    """exp(G - rho_b) for rows at or after tile b's start (<= 1; tile 0 starts at G = 0, unclamped), G and
-    rho in log2 units."""
-    d = G - rho[None, :]
-    return tl.exp2(tl.where(b > 0, tl.minimum(d, 0.0), d))
 
 
 @triton.jit

@@ -42,8 +42,11 @@ def launches(tuning: dict) -> dict:
     params = {"A_log", "dt_bias"}
     states = {"states", "dh", "ddelta", "delta"} if tuning["bwd_states"] == "fp32" else set()
     return {
-        "prep": (kt._prep_blocked_kernel, dict(dims, BK=tuning["prep_bk"], DOT_PREC="tf32", **flags),
-                 params | {"gc_out", "x_out"}, tuning["prep_warps"], 1, tuning["prep_maxnreg"]),
+        "prep": (kt._prep_blocked_kernel, dict(K=128, BT=64, BK=tuning["prep_bk"], SCORES=True, GATE_IN_KERNEL=True,
+                                               HAS_DT_BIAS=True, L2NORM=True),
+                 params | {"gc_out", "gcum", "rnorm"}, tuning["prep_warps"], 1, tuning["prep_maxnreg"]),
+        "scores": (kt._prep_scores_kernel, dict(dims, H=16, BK=tuning["score_bk"], BETA_SIGMOID=True, DOT_PREC="tf32"),
+                   {"gcum", "rnorm", "a_out"}, tuning["score_warps"], 1, 0),
         "inverse": (kt._ut_inverse_kernel, dict(BT=64, INV_PREC="ieee"), {"x"}, tuning["inv_warps"], 1, 0),
         "wu": (kt._wu_kernel, dict(dims, V=128, BC=64, BETA_SIGMOID=True, DOT_PREC="tf32"), {"x"},
                tuning["wu_warps"], 2, 0),
@@ -127,7 +130,7 @@ def compile_one(fn, constexprs: dict, fp32: set, warps: int, stages: int, maxnre
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--kernels", default="prep,inverse,wu,state_fwd,state_bwd,vside,kside,ktile,kgate")
+    p.add_argument("--kernels", default="prep,scores,inverse,wu,state_fwd,state_bwd,vside,kside,ktile,kgate")
     p.add_argument("--tuning", default="", help="TUNING overrides, 'key=value,...'")
     p.add_argument("--json", action="store_true", help="one JSON object per kernel instead of the table")
     args = p.parse_args(argv)

@@ -81,7 +81,7 @@ def summary(instructions: list[Instruction], top: int, sources: dict[str, list[s
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--kernel", default="kside", help="prep, inverse, wu, state_fwd, state_bwd, vside, kside, ktile or kgate")
+    p.add_argument("--kernel", default="kside", help="prep, scores, inverse, wu, state_fwd, state_bwd, vside, kside, ktile or kgate")
     p.add_argument("--tuning", default="", help="TUNING overrides, 'key=value,...'")
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args(argv)
