@@ -43,7 +43,7 @@ CHUNK = 64
 # 40.35 -> 36.01 at B=1,T=64K) or "all" (every prep output, ~1.4x; 16.53 / 34.90 ms).
 # ``bwd_states="bf16"`` (states and their gradients stored in bf16 for the backward): ~8% faster, but
 # d A_log 8.0e-3 from float64 on one H200 fuzz case (3.0e-3 with fp32), too close to the 1e-2 bar.
-TUNING = dict(save_prep="inverse", prep_warps=4, prep_bk=32, prep_maxnreg=0, score_warps=2, score_bk=64,
+TUNING = dict(save_prep="inverse", prep_warps=4, prep_bk=32, prep_maxnreg=0, score_warps=1, score_bk=64,
               inv_warps=2, wu_warps=4,
               state_warps=4, state_stages=1, bwd_states="fp32", state_prec="tf32", bwd_prec="tf32",
               score_prec="tf32", vside_warps=4, vside_bv=64, vside_maxnreg=0, kside_warps=4, kside_bk=16,
@@ -197,11 +197,9 @@ def _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan: _Plan, flags: _Flags, cfg
     else:
         gcum = rnorm = gc
     # w holds Gamma K until _wu_kernel turns it into W; x holds A until _ut_inverse_kernel turns it into X
-    prep_bk = min(TUNING["prep_bk"], key_dim)
-    kt._prep_blocked_kernel[(plan.num_chunks, heads, key_dim // prep_bk)](
-                                  q, k, gz, beta, a_log, dtb, plan.chunk_bos, plan.chunk_eos, w, qg, kend, gc, gcum,
+    kt._prep_blocked_kernel[grid](q, k, gz, beta, a_log, dtb, plan.chunk_bos, plan.chunk_eos, w, qg, kend, gc, gcum,
                                   rnorm, flags.scale, flags.lower_bound, heads, K=key_dim,
-                                  BK=prep_bk, BT=CHUNK, GATE_IN_KERNEL=flags.gate_in_kernel,
+                                  BK=min(TUNING["prep_bk"], key_dim), BT=CHUNK, GATE_IN_KERNEL=flags.gate_in_kernel,
                                   HAS_DT_BIAS=dt_bias is not None, L2NORM=flags.l2norm, SCORES=scores is None,
                                   num_warps=TUNING["prep_warps"], num_stages=1, **_register_cap("prep"))
     if scores is None:

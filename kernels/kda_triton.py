@@ -208,14 +208,12 @@ def _prep_blocked_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
                          K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                          GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
                          SCORES: tl.constexpr):
-    """Per chunk and block of BK key columns: Gamma Q, Gamma K, Gamma_C / Gamma K and Gamma_C; with
+    """Per chunk: Gamma Q, Gamma K, Gamma_C / Gamma K and Gamma_C, in blocks of BK key columns; with
     SCORES also the cumsum G (log2 units, into ``gcum``) and the row norms (into ``rnorm``) for
     _prep_scores_kernel. Without SCORES (the backward, Aqk and X kept from the forward) only the
-    elementwise outputs. Each program recomputes the row norms over all K (two [64, K] loads, from
-    L2 for all but the first block) so that the blocks run in parallel."""
+    elementwise outputs."""
     c = tl.program_id(0)
     h = tl.program_id(1)
-    kb = tl.program_id(2)
     bos, eos, rows, valid = _chunk_rows(chunk_bos, chunk_eos, c, BT)
     m2 = valid[:, None]
     if L2NORM:
@@ -225,25 +223,25 @@ def _prep_blocked_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
         rq = tl.full([BT], 1.0, tl.float32)
         rk = tl.full([BT], 1.0, tl.float32)
     if SCORES:
-        if kb == 0:
-            nrm = rnorm + ((bos + rows) * H + h) * 2
-            tl.store(nrm, rq, mask=valid)
-            tl.store(nrm + 1, rk, mask=valid)
-    cols = kb * BK + tl.arange(0, BK)
-    offs = ((bos + rows)[:, None] * H + h) * K + cols[None, :]
-    qv = tl.load(q + offs, mask=m2, other=0.0).to(tl.float32) * (rq * scale)[:, None]
-    kv = tl.load(k + offs, mask=m2, other=0.0).to(tl.float32) * rk[:, None]
-    zv = tl.load(gz + offs, mask=m2, other=0.0).to(tl.float32)
-    g, _, _ = _gate(zv, A_log, dt_bias, h, cols, lower_bound, K, GATE_IN_KERNEL, HAS_DT_BIAS)
-    G = tl.cumsum(tl.where(m2, g, 0.0), axis=0)
-    if SCORES:
-        tl.store(gcum + offs, G * LOG2E, mask=m2)
-    eG = tl.exp(G)
-    GC = tl.sum(tl.where(rows[:, None] == BT - 1, G, 0.0), axis=0)
-    tl.store(qg_out + offs, (qv * eG).to(qg_out.dtype.element_ty), mask=m2)
-    tl.store(kg_out + offs, (kv * eG).to(kg_out.dtype.element_ty), mask=m2)
-    tl.store(kend_out + offs, (kv * tl.exp(GC[None, :] - G)).to(kend_out.dtype.element_ty), mask=m2)
-    tl.store(gc_out + (c.to(tl.int64) * H + h) * K + cols, tl.exp(GC))
+        nrm = rnorm + ((bos + rows) * H + h) * 2
+        tl.store(nrm, rq, mask=valid)
+        tl.store(nrm + 1, rk, mask=valid)
+    for kb in tl.static_range(K // BK):
+        cols = kb * BK + tl.arange(0, BK)
+        offs = ((bos + rows)[:, None] * H + h) * K + cols[None, :]
+        qv = tl.load(q + offs, mask=m2, other=0.0).to(tl.float32) * (rq * scale)[:, None]
+        kv = tl.load(k + offs, mask=m2, other=0.0).to(tl.float32) * rk[:, None]
+        zv = tl.load(gz + offs, mask=m2, other=0.0).to(tl.float32)
+        g, _, _ = _gate(zv, A_log, dt_bias, h, cols, lower_bound, K, GATE_IN_KERNEL, HAS_DT_BIAS)
+        G = tl.cumsum(tl.where(m2, g, 0.0), axis=0)
+        if SCORES:
+            tl.store(gcum + offs, G * LOG2E, mask=m2)
+        eG = tl.exp(G)
+        GC = tl.sum(tl.where(rows[:, None] == BT - 1, G, 0.0), axis=0)
+        tl.store(qg_out + offs, (qv * eG).to(qg_out.dtype.element_ty), mask=m2)
+        tl.store(kg_out + offs, (kv * eG).to(kg_out.dtype.element_ty), mask=m2)
+        tl.store(kend_out + offs, (kv * tl.exp(GC[None, :] - G)).to(kend_out.dtype.element_ty), mask=m2)
+        tl.store(gc_out + (c.to(tl.int64) * H + h) * K + cols, tl.exp(GC))
 
 
 @triton.jit
