@@ -15,10 +15,10 @@ The plan then cuts every sequence into segments of ``segment_chunks`` chunks and
 3. every segment again from its true start state, writing outputs, all in parallel.
 This is the algebra of context parallelism (KCP) inside one device. Backward mirrors it with M^T.
 
-Memory: backward recomputes everything per chunk from the inputs; the forward saves only the
-segment start states and transitions (fp32, [segments, H, K, V] and [segments, H, K, K]), never
-per-chunk states. Backward holds per-chunk states and state gradients (bf16, 2 * T/64 * H * K * V
-* 2 bytes: 2.1 GB at T=256K, H=16, K=V=128) only while one layer's backward runs.
+Memory: the forward saves the inputs, the segment start states and transitions (fp32) and, with
+``save_prep="inverse"`` (default), Aqk and the UT inverse X; never per-chunk states. The backward
+holds per-chunk states and state gradients (fp32 by default: 2 * T/64 * H * K * V * 4 bytes, 8.6 GB
+at T=256K, H=16, K=V=128) and [T, H, K] fp32 scratch only while one layer's backward runs.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ CHUNK = 64
 # ``bwd_states="bf16"`` (states and their gradients stored in bf16 for the backward): ~8% faster, but
 # d A_log 8.0e-3 from float64 on one H200 fuzz case (3.0e-3 with fp32), too close to the 1e-2 bar.
 TUNING = dict(save_prep="inverse", prep_warps=4, prep_bk=32, prep_maxnreg=0, score_warps=1, score_bk=64,
-              inv_warps=2, wu_warps=4,
-              state_warps=4, state_stages=1, bwd_states="fp32", state_prec="tf32", bwd_prec="tf32",
-              score_prec="tf32", vside_warps=4, vside_bv=64, vside_maxnreg=0, kside_warps=4, kside_bk=16,
-              ktile_warps=4, ktile_bk=64, ktile_maxnreg=168, kgate_warps=4, kgate_bk=32)
+              inv_warps=2, wu_warps=4, state_warps=4, state_stages=1, bwd_states="fp32", state_prec="tf32",
+              bwd_prec="tf32", score_prec="tf32", vside_warps=4, vside_bv=64, vside_maxnreg=0, kside_warps=4,
+              kside_bk=16, kside_stages=1, ktile_warps=4, ktile_bk=64, ktile_maxnreg=168, ktile_stages=1, kgate_warps=4,
+              kgate_bk=32)
 _PRECISIONS = ("tf32", "tf32x3", "ieee")
 _TEXT_TUNING = {"save_prep": ("none", "inverse", "all"), "bwd_states": ("fp32", "bf16"),
                 "state_prec": ("tf32", "bf16"), "bwd_prec": _PRECISIONS, "score_prec": _PRECISIONS}
@@ -331,12 +331,13 @@ def _bwd_kside(kt, q: Tensor, k: Tensor, gz: Tensor, beta: Tensor, A_log: Tensor
         q, k, gz, beta, A_log, dt_bias, plan.chunk_bos, plan.chunk_eos, x, scratch["dw"], scratch["daqk"],
         scratch["dt"], gcum, rnorm, db_part, flags.lower_bound, heads, K=key_dim,
         BK=min(TUNING["kside_bk"], key_dim), BT=CHUNK, PREC=prec, SCORE_PREC=score_prec, **gate_flags,
-        num_warps=TUNING["kside_warps"], num_stages=1)
+        num_warps=TUNING["kside_warps"], num_stages=TUNING["kside_stages"])
     kt._bwd_kside_tile_kernel[(plan.num_chunks, heads, (CHUNK // 16) * tile_blocks)](
         q, k, beta, plan.chunk_bos, plan.chunk_eos, gcum, rnorm, scratch["dqg"], scratch["dw"], scratch["dkend"],
         scratch["daqk"], scratch["dt"], dq, dk, db_part, row_part, esum_part, flags.scale, total, heads,
         K=key_dim, BK=tile_bk, BT=CHUNK, L2NORM=flags.l2norm, BETA_SIGMOID=flags.beta_sigmoid,
-        SCORE_PREC=score_prec, num_warps=TUNING["ktile_warps"], num_stages=1, **_register_cap("ktile"))
+        SCORE_PREC=score_prec, num_warps=TUNING["ktile_warps"], num_stages=TUNING["ktile_stages"],
+        **_register_cap("ktile"))
     kt._bwd_kside_gate_kernel[(plan.num_chunks, heads, key_dim // gate_bk)](
         q, k, gz, beta, A_log, dt_bias, plan.chunk_bos, plan.chunk_eos, gcum, rnorm, scratch["dqg"], scratch["dw"],
         scratch["dkend"], scratch["dgc"], esum_part, db_part, row_part, dq, dk, dgz, dbeta, dA_part, ddtb_part,

@@ -9,27 +9,32 @@ log-decay, Gamma = exp(G), b = beta and q pre-scaled by ``scale``:
     W   = T (Gamma K),   U = T V
     Delta = U - W S,   O = (Gamma Q) S + Aqk Delta,   S' = Diag(Gamma_C) S + (Gamma_C / Gamma K)^T Delta
 
-Kernels (one launch each, all rows of a chunk in one program):
-- ``_prep_blocked_kernel`` parallel over (chunk, head): raw q/k/gate/beta -> L2 norm, gate, cumsum,
-                      R and Aqk summed over blocks of key columns, Gamma Q, Gamma K,
-                      Gamma_C / Gamma K, Gamma_C.
-- ``_ut_inverse_kernel`` parallel over (chunk, head): X from Diag(b) R by 16x16 blocks.
-- ``_wu_kernel``      parallel over (chunk, head): W and U from X, beta, Gamma K and V.
+Kernels (one launch each):
+- ``_prep_blocked_kernel`` per (chunk, head): raw q/k/gate -> L2 norm, gate, cumsum, Gamma Q,
+                      Gamma K, Gamma_C / Gamma K, Gamma_C; keeps G and the row norms for the scores.
+- ``_prep_scores_kernel`` per (chunk, head, 16x16 tile pair i >= j): R_ij and Aqk_ij over all K.
+- ``_ut_inverse_kernel`` per (chunk, head): X from Diag(b) R by 16x16 blocks.
+- ``_wu_kernel``      per (chunk, head): W and U from X, beta, Gamma K and V.
 - ``_state_fwd_kernel`` serial over the chunks of one segment: Delta, O, next state. With
                       ``TRANSITION`` it also carries K identity columns with zero values, which end as
                       the segment's transition M (S_end = M S_start + S~). In the backward it keeps
                       every chunk's state and Delta for the gradient kernels.
 - ``_state_bwd_kernel``: the same, reversed, for dS (the transition is M^T).
 (The composition of segments, S_{j+1} = M_j S_j + S~_j, is a few batched matmuls in kernels/kda.py.)
-- ``_bwd_vside_kernel`` / ``_bwd_kside_kernel`` parallel over (chunk, head): every parameter
-                      gradient of one chunk from its entering state, the state gradient after it and
-                      dDelta (value-side products first, then the key side).
+- ``_bwd_vside_kernel`` per (chunk, head, role): the gradients that contract over V, from each
+                      chunk's entering state, the state gradient after it and dDelta.
+- ``_bwd_kside_chunk_kernel`` per (chunk, head), ``_bwd_kside_tile_kernel`` per (chunk, head, 16-row
+                      tile, key block), ``_bwd_kside_gate_kernel`` per (chunk, head, key block): the
+                      key side (UT backward; score-tile products; cumsum, gate, L2-norm and beta).
+Work that needs all 64 rows of a chunk at once (cumsums, the UT transform) stays in per-chunk
+programs; the score products run one 16-row tile per program, so few registers and many programs
+per SM hide the latency of the small products (kernels/NOTES.md, session 7).
 
 The bounded gate is what makes the score matrices one dense matmul per 16-token tile: for key tile
 b we factor exp(G_i - G_j) = exp(G_i - rho_b) * exp(rho_b - G_j), rho_b the log-decay at the tile's
 start. The second factor is at most exp(16 |g_min|) = e^80 (finite in fp32 and bf16), the first at
-most 1 (rows i before tile b are masked), so R = sum_b (K F_b)(K E masked to tile b)^T exactly,
-with no position-pair special case on the diagonal tiles.
+most 1 (rows i before tile b are masked), so every tile pair, diagonal ones included, is one dense
+product with no position-pair special case.
 """
 
 from __future__ import annotations
