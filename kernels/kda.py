@@ -46,7 +46,7 @@ CHUNK = 64
 TUNING = dict(save_prep="inverse", prep_warps=4, prep_bk=32, prep_maxnreg=0, score_warps=1, score_bk=64,
               inv_warps=2, wu_warps=4, state_warps=4, state_stages=1, bwd_states="fp32", state_prec="tf32",
               bwd_prec="tf32", score_prec="tf32", vside_warps=4, vside_bv=64, vside_maxnreg=0, kside_warps=4,
-              kside_bk=16, kside_stages=1, ktile_warps=4, ktile_bk=64, ktile_maxnreg=168, ktile_stages=1, kgate_warps=4,
+              kside_bk=16, kside_stages=1, ktile_warps=4, ktile_bk=64, ktile_maxnreg=168, ktile_stages=3, kgate_warps=4,
               kgate_bk=32)
 _PRECISIONS = ("tf32", "tf32x3", "ieee")
 _TEXT_TUNING = {"save_prep": ("none", "inverse", "all"), "bwd_states": ("fp32", "bf16"),
