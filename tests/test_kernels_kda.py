@@ -126,6 +126,35 @@ def test_fused_packed_documents_segmented():
         assert_matches(x, h0, out, final, *fused_reference(x, h0, cu))
 
 
+def test_no_kernel_reads_an_unwritten_element(monkeypatch):
+    """Every buffer the kernels allocate starts as NaN (torch.empty / empty_like poisoned while they
+    run): outputs and gradients stay finite and match float64, so no kernel reads an element no kernel
+    wrote. Short documents leave 16-row tiles past a sequence's end, whose score blocks must be
+    written as zeros: NaN there reaches valid rows through 0 * NaN in the UT inverse."""
+    cu = torch.tensor([0, 3, 70, 150], dtype=torch.int32, device=DEVICE)
+    x, h0 = raw_inputs(1, 150, 2, 32, 32, num_states=3, seed=4)
+    names = ("q", "k", "v", "z", "beta", "A_log", "dt_bias")
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poisoned(make):
+        def make_nan(*args, **kwargs):
+            t = make(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+        return make_nan
+
+    monkeypatch.setattr(torch, "empty", poisoned(real_empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned(real_empty_like))
+    out, final = chunk_kda_fused(*(x[n] for n in names), initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    params = [*(x[n] for n in names), h0]
+    grads = torch.autograd.grad(out.square().sum() + final.sum(), params)
+    monkeypatch.undo()
+    ref_out, ref_final = fused_reference(x, h0, cu)
+    ref_grads = torch.autograd.grad(ref_out.square().sum() + ref_final.sum(), params)
+    assert rel(out, ref_out) < TOL and rel(final, ref_final) < TOL
+    for n, a, b in zip([*names, "h0"], grads, ref_grads):
+        assert rel(a, b) < TOL, n
+
+
 def test_fused_worst_case_inverse_identical_keys_no_decay():
     """Adversarial UT inverse: one key repeated, decay ~1 and beta ~1 make every in-tile score 1.
     The 16x16 diagonal inverse is a product of powers of N, whose entries reach C(15, 7) = 6435
