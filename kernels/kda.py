@@ -43,6 +43,9 @@ CHUNK = 64
 # 40.35 -> 36.01 at B=1,T=64K) or "all" (every prep output, ~1.4x; 16.53 / 34.90 ms).
 # ``bwd_states="bf16"`` (states and their gradients stored in bf16 for the backward): ~8% faster, but
 # d A_log 8.0e-3 from float64 on one H200 fuzz case (3.0e-3 with fp32), too close to the 1e-2 bar.
+# Kernels by prefix: ``prep`` elementwise prep, ``score`` forward tile-pair scores, ``kside`` / ``ktile``
+# / ``kgate`` the key-side backward's chunk, tile and gate kernels; ``*_stages``: software pipelining
+# of a loop's loads (``ktile_stages=3``: 10.99 -> 10.44 ms at B=8,T=4K).
 TUNING = dict(save_prep="inverse", prep_warps=4, prep_bk=32, prep_maxnreg=0, score_warps=1, score_bk=64,
               inv_warps=2, wu_warps=4, state_warps=4, state_stages=1, bwd_states="fp32", state_prec="tf32",
               bwd_prec="tf32", score_prec="tf32", vside_warps=4, vside_bv=64, vside_maxnreg=0, kside_warps=4,
