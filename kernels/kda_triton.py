@@ -110,6 +110,15 @@ def _tile_start_at(gcum, tok, b, cols, H: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
+def _keys_over_decay(k, gcum, rnorm, bos, tok, j, rho_j, cols, n, h, H: tl.constexpr, K: tl.constexpr):
+    """K / Gamma of key tile j relative to its start rho_j: normalised k * exp(rho_j - G), <= e^80."""
+    rows_j = j * TILE + tl.arange(0, TILE)
+    kv = (_tile_block(k, tok, rows_j, cols, n, H, K).to(tl.float32)
+          * tl.load(rnorm + ((bos + rows_j) * H + h) * 2 + 1, mask=rows_j < n, other=0.0)[:, None])
+    return kv * tl.exp2(rho_j[None, :] - _tile_block(gcum, tok, rows_j, cols, n, H, K))
+
+
+@triton.jit
 def _decay_from(G, rho, b):
     """exp(G - rho_b) for rows at or after tile b's start (<= 1; tile 0 starts at G = 0, unclamped), G and
     rho in log2 units."""
@@ -279,9 +288,7 @@ def _prep_scores_kernel(q, k, beta, chunk_bos, chunk_eos, gcum, rnorm, aqk_out, 
             cols = kb * BK + tl.arange(0, BK)
             G_i, qv_i, kv_i, _ = _tile_keys(q, k, beta, gcum, rnorm, bos, tok, rows_i, cols, n, h, H, K, False)
             rho_j = _tile_start_at(gcum, tok, j, cols, H, K)
-            kv_j = (_tile_block(k, tok, rows_j, cols, n, H, K).to(tl.float32)
-                    * tl.load(rnorm + ((bos + rows_j) * H + h) * 2 + 1, mask=rows_j < n, other=0.0)[:, None])
-            kn_j = tl.trans(kv_j * tl.exp2(rho_j[None, :] - _tile_block(gcum, tok, rows_j, cols, n, H, K)))
+            kn_j = tl.trans(_keys_over_decay(k, gcum, rnorm, bos, tok, j, rho_j, cols, n, h, H, K))
             f = _decay_from(G_i, rho_j, j)
             R = tl.dot(kv_i * f, kn_j, R, input_precision=DOT_PREC)
             Aqk = tl.dot(qv_i * scale * f, kn_j, Aqk, input_precision=DOT_PREC)
@@ -619,9 +626,7 @@ def _bwd_kside_tile_kernel(q, k, beta, chunk_bos, chunk_eos, gcum, rnorm, dqg_in
     for j in range(0, i + 1):
         rows_j = j * TILE + r
         rho_j = _tile_start_at(gcum, tok, j, cols, H, K)
-        kv_j = (_tile_block(k, tok, rows_j, cols, n, H, K).to(tl.float32)
-                * tl.load(rnorm + ((bos + rows_j) * H + h) * 2 + 1, mask=rows_j < n, other=0.0)[:, None])
-        kn_j = _to_tf32(kv_j * tl.exp2(rho_j[None, :] - _tile_block(gcum, tok, rows_j, cols, n, H, K)), ROUND)
+        kn_j = _to_tf32(_keys_over_decay(k, gcum, rnorm, bos, tok, j, rho_j, cols, n, h, H, K), ROUND)
         f = _decay_from(G_i, rho_j, j)
         u = tl.dot(tl.load(dt_in + sq + rows_i[:, None] * BT + rows_j[None, :]), kn_j, input_precision=SCORE_PREC)
         u2 = tl.dot(tl.load(daqk_in + sq + rows_i[:, None] * BT + rows_j[None, :]), kn_j,
