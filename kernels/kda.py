@@ -46,9 +46,9 @@ CHUNK = 64
 # Kernels by prefix: ``prep`` elementwise prep, ``score`` forward tile-pair scores, ``kside`` / ``ktile``
 # / ``kgate`` the key-side backward's chunk, tile and gate kernels; ``*_stages``: software pipelining
 # of a loop's loads (``ktile_stages=3``: 10.99 -> 10.44 ms at B=8,T=4K).
-TUNING = dict(save_prep="inverse", prep_warps=4, prep_bk=32, prep_maxnreg=0, score_warps=1, score_bk=64,
+TUNING = dict(save_prep="inverse", norm_warps=4, norm_bk=32, prep_warps=4, prep_bk=32, prep_maxnreg=0, score_warps=1, score_bk=64,
               inv_warps=2, wu_warps=4, state_warps=4, state_stages=1, bwd_states="fp32", state_prec="tf32",
-              bwd_prec="tf32", score_prec="tf32", vside_warps=4, vside_bv=64, vside_maxnreg=0, kside_warps=4,
+              bwd_prec="tf32", score_prec="tf32", vside_warps=4, vside_bk=64, vside_bv=64, vside_maxnreg=0, kside_warps=4,
               kside_bk=16, kside_stages=1, ktile_warps=4, ktile_bk=64, ktile_maxnreg=168, ktile_stages=3, kgate_warps=4,
               kgate_bk=32)
 _PRECISIONS = ("tf32", "tf32x3", "ieee")
@@ -175,48 +175,50 @@ def _config(q: Tensor, v: Tensor) -> dict:
 
 
 def _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan: _Plan, flags: _Flags, cfg: dict,
-          scores: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, ...]:
-    """W, U, Gamma Q, Gamma_C / Gamma K, Aqk, Gamma_C and the UT inverse X of every chunk. With
-    ``scores`` = (Aqk, X) kept from the forward, only the elementwise outputs are computed."""
+          scores: tuple[Tensor, Tensor] | None = None, rnorm: Tensor | None = None):
+    """W, U, Gamma Q, Gamma_C / Gamma K, Aqk, Gamma_C and the UT inverse X of every chunk, then G (the
+    in-chunk cumsum, log2 units) and the row norms. With ``scores`` = (Aqk, X) and ``rnorm`` kept
+    from the forward, only the elementwise outputs are computed."""
     total, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     inter = cfg["inter"]
+    f32 = dict(device=q.device, dtype=torch.float32)
     w = torch.empty(total, heads, key_dim, device=q.device, dtype=inter)
     qg = torch.empty_like(w)
     kend = torch.empty_like(w)
     u = torch.empty(total, heads, value_dim, device=q.device, dtype=inter)
-    gc = torch.empty(plan.num_chunks, heads, key_dim, device=q.device, dtype=torch.float32)
+    gc = torch.empty(plan.num_chunks, heads, key_dim, **f32)
+    gcum = torch.empty(total, heads, key_dim, **f32)
     if scores is None:
         aqk = torch.empty(total, heads, CHUNK, device=q.device, dtype=inter)
-        x = torch.empty(plan.num_chunks, heads, CHUNK, CHUNK, device=q.device, dtype=torch.float32)
+        x = torch.empty(plan.num_chunks, heads, CHUNK, CHUNK, **f32)
     else:
         aqk, x = scores
     a_log = A_log if A_log is not None else gc
     dtb = dt_bias if dt_bias is not None else gc
     grid = (plan.num_chunks, heads)
-    if scores is None:  # the scores kernel reads G (log2 units) and the row norms
-        gcum = torch.empty(total, heads, key_dim, device=q.device, dtype=torch.float32)
-        rnorm = torch.empty(total, heads, 2, device=q.device, dtype=torch.float32)
-    else:
-        gcum = rnorm = gc
+    bk = min(TUNING["prep_bk"], key_dim)
+    if rnorm is None:
+        rnorm = torch.empty(total, heads, 2, **f32)
+        kt._row_norms_kernel[grid](q, k, plan.chunk_bos, plan.chunk_eos, rnorm, heads, K=key_dim,
+                                   BK=min(TUNING["norm_bk"], key_dim), BT=CHUNK, L2NORM=flags.l2norm,
+                                   num_warps=TUNING["norm_warps"], num_stages=1)
     # w holds Gamma K until _wu_kernel turns it into W; x holds A until _ut_inverse_kernel turns it into X
-    kt._prep_blocked_kernel[grid](q, k, gz, beta, a_log, dtb, plan.chunk_bos, plan.chunk_eos, w, qg, kend, gc, gcum,
-                                  rnorm, flags.scale, flags.lower_bound, heads, K=key_dim,
-                                  BK=min(TUNING["prep_bk"], key_dim), BT=CHUNK, GATE_IN_KERNEL=flags.gate_in_kernel,
-                                  HAS_DT_BIAS=dt_bias is not None, L2NORM=flags.l2norm, SCORES=scores is None,
-                                  num_warps=TUNING["prep_warps"], num_stages=1, **_register_cap("prep"))
+    kt._prep_blocked_kernel[(plan.num_chunks, heads, key_dim // bk)](
+        q, k, gz, a_log, dtb, plan.chunk_bos, plan.chunk_eos, rnorm, w, qg, kend, gc, gcum, flags.scale,
+        flags.lower_bound, heads, K=key_dim, BK=bk, BT=CHUNK, GATE_IN_KERNEL=flags.gate_in_kernel,
+        HAS_DT_BIAS=dt_bias is not None, num_warps=TUNING["prep_warps"], num_stages=1, **_register_cap("prep"))
     if scores is None:
         kt._prep_scores_kernel[(plan.num_chunks, heads, 10)](
             q, k, beta, plan.chunk_bos, plan.chunk_eos, gcum, rnorm, aqk, x, flags.scale, heads, K=key_dim,
             BK=min(TUNING["score_bk"], key_dim), BT=CHUNK, BETA_SIGMOID=flags.beta_sigmoid, DOT_PREC=cfg["dot"],
             num_warps=TUNING["score_warps"], num_stages=1)
-        del gcum, rnorm
         # the 16x16 inverse products run in exact fp32
         kt._ut_inverse_kernel[grid](x, heads, BT=CHUNK, INV_PREC="ieee", num_warps=TUNING["inv_warps"], num_stages=1)
     kt._wu_kernel[grid](v, beta, x, plan.chunk_bos, plan.chunk_eos, w, u, heads, K=key_dim, V=value_dim, BT=CHUNK,
                         BC=min(64, key_dim, value_dim), BETA_SIGMOID=flags.beta_sigmoid, DOT_PREC=cfg["dot"],
                         num_warps=TUNING["wu_warps"], num_stages=2)
-    return w, u, qg, kend, aqk, gc, x
+    return (w, u, qg, kend, aqk, gc, x), gcum, rnorm
 
 
 def _state_operand(w: Tensor, backward: bool):
@@ -302,23 +304,24 @@ def _bwd_vside(kt, v: Tensor, beta: Tensor, delta: Tensor, x: Tensor, states: Te
     scratch["dgc"] = torch.empty(plan.num_chunks, heads, key_dim, device=dev, dtype=torch.float32)
     args = (v, beta, plan.chunk_bos, plan.chunk_eos, x, delta, states, dh, ddelta, do,
             dv, scratch["dqg"], scratch["dw"], scratch["dkend"], scratch["daqk"], scratch["dt"], scratch["dgc"], heads)
-    kt._bwd_vside_kernel[(plan.num_chunks, heads, 3)](
-        *args, K=key_dim, V=value_dim, BV=min(TUNING["vside_bv"], value_dim), num_warps=TUNING["vside_warps"],
-        **_register_cap("vside"), **meta)
+    bk = min(TUNING["vside_bk"], key_dim)
+    kt._bwd_vside_kernel[(2 * (key_dim // bk) + 2, plan.num_chunks, heads)](
+        *args, K=key_dim, V=value_dim, BK=bk, BV=min(TUNING["vside_bv"], value_dim),
+        num_warps=TUNING["vside_warps"], **_register_cap("vside"), **meta)
     return scratch
 
 
 def _bwd_kside(kt, q: Tensor, k: Tensor, gz: Tensor, beta: Tensor, A_log: Tensor, dt_bias: Tensor, x: Tensor,
-               scratch: dict[str, Tensor], dq: Tensor, dk: Tensor, dgz: Tensor, dbeta: Tensor, plan: _Plan,
-               flags: _Flags, has_dt_bias: bool, prec: str, score_prec: str) -> tuple[Tensor, Tensor]:
+               gcum: Tensor, rnorm: Tensor, scratch: dict[str, Tensor], dq: Tensor, dk: Tensor, dgz: Tensor,
+               dbeta: Tensor, plan: _Plan, flags: _Flags, has_dt_bias: bool, prec: str,
+               score_prec: str) -> tuple[Tensor, Tensor]:
     """Backward, part 2 (three kernels): dq, dk, dgz, dbeta from the scratch, which they overwrite (dA
-    over dT, d(Gamma K) then dG over dW, unnormalised dq / dk over dQg / dKend). Returns the
-    per-chunk partials of dA_log [chunks, H, blocks] and d dt_bias [chunks, H, K] (gate in kernel)."""
+    over dT, d(Gamma K) then dG over dW, unnormalised dq / dk over dQg / dKend), with G (``gcum``) and
+    the row norms as the prep left them. Returns the per-chunk partials of dA_log [chunks, H, blocks]
+    and d dt_bias [chunks, H, K] (gate in kernel)."""
     total, heads, key_dim = q.shape
     dev = q.device
     f32 = dict(device=dev, dtype=torch.float32)
-    gcum = torch.empty(total, heads, key_dim, **f32)  # the in-chunk cumsum G
-    rnorm = torch.empty(total, heads, 2, **f32)  # 1 / |q|, 1 / |k| per row
     tile_bk = min(TUNING["ktile_bk"], key_dim)
     gate_bk = min(TUNING["kgate_bk"], key_dim)
     tile_blocks = key_dim // tile_bk
@@ -331,10 +334,9 @@ def _bwd_kside(kt, q: Tensor, k: Tensor, gz: Tensor, beta: Tensor, A_log: Tensor
     gate_flags = dict(GATE_IN_KERNEL=gate, HAS_DT_BIAS=has_dt_bias, L2NORM=flags.l2norm,
                       BETA_SIGMOID=flags.beta_sigmoid)
     kt._bwd_kside_chunk_kernel[(plan.num_chunks, heads)](
-        q, k, gz, beta, A_log, dt_bias, plan.chunk_bos, plan.chunk_eos, x, scratch["dw"], scratch["daqk"],
-        scratch["dt"], gcum, rnorm, db_part, flags.lower_bound, heads, K=key_dim,
-        BK=min(TUNING["kside_bk"], key_dim), BT=CHUNK, PREC=prec, SCORE_PREC=score_prec, **gate_flags,
-        num_warps=TUNING["kside_warps"], num_stages=TUNING["kside_stages"])
+        k, beta, plan.chunk_bos, plan.chunk_eos, x, scratch["dw"], scratch["daqk"], scratch["dt"], gcum, rnorm,
+        db_part, heads, K=key_dim, BK=min(TUNING["kside_bk"], key_dim), BT=CHUNK, BETA_SIGMOID=flags.beta_sigmoid,
+        PREC=prec, SCORE_PREC=score_prec, num_warps=TUNING["kside_warps"], num_stages=TUNING["kside_stages"])
     kt._bwd_kside_tile_kernel[(plan.num_chunks, heads, (CHUNK // 16) * tile_blocks)](
         q, k, beta, plan.chunk_bos, plan.chunk_eos, gcum, rnorm, scratch["dqg"], scratch["dw"], scratch["dkend"],
         scratch["daqk"], scratch["dt"], dq, dk, db_part, row_part, esum_part, flags.scale, total, heads,
@@ -355,7 +357,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
         from moe_lc_kernels import kda_triton as kt
 
         cfg = _config(q, v)
-        prep = _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan, flags, cfg)
+        prep, gcum, rnorm = _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan, flags, cfg)
         w, u, qg, kend, aqk, gc, x = prep
         init = None if initial_state is None else initial_state.float().contiguous()
         transitions = None
@@ -366,8 +368,9 @@ class _ChunkKDAFunction(torch.autograd.Function):
         o = torch.empty_like(v)
         seg_end = _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, init=seg_init, transition=False, out=o)
         final = seg_end[plan.last_seg]
-        kept = {"none": (), "inverse": (aqk, x), "all": prep}[TUNING["save_prep"]]
-        ctx.save_for_backward(q, k, v, gz, beta, A_log, dt_bias, seg_init, transitions, *kept)
+        kept = {"none": (), "inverse": (aqk, x), "all": (*prep, gcum)}[TUNING["save_prep"]]
+        del gcum
+        ctx.save_for_backward(q, k, v, gz, beta, A_log, dt_bias, seg_init, transitions, rnorm, *kept)
         ctx.plan, ctx.flags, ctx.has_init = plan, flags, initial_state is not None
         ctx.init_dtype = None if initial_state is None else initial_state.dtype
         return o, final
@@ -376,18 +379,19 @@ class _ChunkKDAFunction(torch.autograd.Function):
     def backward(ctx, do, dfinal):
         from moe_lc_kernels import kda_triton as kt
 
-        q, k, v, gz, beta, A_log, dt_bias, seg_init, transitions, *kept = ctx.saved_tensors
+        q, k, v, gz, beta, A_log, dt_bias, seg_init, transitions, rnorm, *kept = ctx.saved_tensors
         plan, flags = ctx.plan, ctx.flags
         cfg = _config(q, v)
         total, heads, key_dim = q.shape
         value_dim = v.shape[-1]
         bv = cfg["BV"]
         do = do.contiguous()
-        if len(kept) == 7:  # save_prep="all"
-            w, u, qg, kend, aqk, gc, x = kept
-        else:  # "inverse" hands back (Aqk, X); "none" nothing
-            w, u, qg, kend, aqk, gc, x = _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan, flags, cfg,
-                                               scores=tuple(kept) or None)
+        if len(kept) == 8:  # save_prep="all"
+            w, u, qg, kend, aqk, gc, x, gcum = kept
+        else:  # "inverse" hands back (Aqk, X); "none" nothing. G is kept for the key side (+1 fp32
+            # [T, H, K] during the state passes) so that its chunk kernel does not redo the gate and cumsum
+            (w, u, qg, kend, aqk, gc, x), gcum, _ = _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan, flags, cfg,
+                                                          scores=tuple(kept) or None, rnorm=rnorm)
         bwd_dtype = torch.float32 if TUNING["bwd_states"] == "fp32" else cfg["inter"]
         states = torch.empty(plan.num_chunks, heads, key_dim, value_dim, device=q.device, dtype=bwd_dtype)
         delta = torch.empty(total, heads, value_dim, device=q.device, dtype=bwd_dtype)
@@ -426,9 +430,10 @@ class _ChunkKDAFunction(torch.autograd.Function):
         scratch = _bwd_vside(kt, v, beta, delta, x, states, dh, ddelta, do, dv, plan,
                              dict(BT=CHUNK, BETA_SIGMOID=flags.beta_sigmoid, PREC=prec, num_stages=1))
         del delta, states, dh, ddelta  # the largest buffers; the k-side kernels read only the scratch
-        dA_part, ddtb_part = _bwd_kside(kt, q, k, gz, beta, a_log, dtb, x, scratch, dq, dk, dgz, dbeta, plan, flags,
-                                        dt_bias is not None, prec, "ieee" if exact else TUNING["score_prec"])
-        del scratch
+        dA_part, ddtb_part = _bwd_kside(kt, q, k, gz, beta, a_log, dtb, x, gcum, rnorm, scratch, dq, dk, dgz, dbeta,
+                                        plan, flags, dt_bias is not None, prec,
+                                        "ieee" if exact else TUNING["score_prec"])
+        del scratch, gcum
         del x
         dA_log = (dA_part.sum((0, 2)).to(A_log.dtype)
                   if gate and A_log is not None and ctx.needs_input_grad[5] else None)

@@ -216,46 +216,56 @@ def _ut_inverse_kernel(x, H, BT: tl.constexpr, INV_PREC: tl.constexpr):
 
 
 @triton.jit
-def _prep_blocked_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
-                         kg_out, qg_out, kend_out, gc_out, gcum, rnorm,
-                         scale, lower_bound, H,
-                         K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                         GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
-                         SCORES: tl.constexpr):
-    """Per chunk: Gamma Q, Gamma K, Gamma_C / Gamma K and Gamma_C, in blocks of BK key columns; with
-    SCORES also the cumsum G (log2 units, into ``gcum``) and the row norms (into ``rnorm``) for
-    _prep_scores_kernel. Without SCORES (the backward, Aqk and X kept from the forward) only the
-    elementwise outputs."""
+def _row_norms_kernel(q, k, chunk_bos, chunk_eos, rnorm, H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                      L2NORM: tl.constexpr):
+    """Per (chunk, head): 1 / |q| and 1 / |k| of every row into ``rnorm`` [T, H, 2] (ones without
+    L2NORM). Its own kernel so that the elementwise prep can run one program per key block; the
+    forward keeps ``rnorm`` (8 bytes a row) for the backward."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     bos, eos, rows, valid = _chunk_rows(chunk_bos, chunk_eos, c, BT)
-    m2 = valid[:, None]
     if L2NORM:
         rq = _row_norms(q, bos, eos, h, H, K, BK, BT)
         rk = _row_norms(k, bos, eos, h, H, K, BK, BT)
     else:
         rq = tl.full([BT], 1.0, tl.float32)
         rk = tl.full([BT], 1.0, tl.float32)
-    if SCORES:
-        nrm = rnorm + ((bos + rows) * H + h) * 2
-        tl.store(nrm, rq, mask=valid)
-        tl.store(nrm + 1, rk, mask=valid)
-    for kb in tl.static_range(K // BK):
-        cols = kb * BK + tl.arange(0, BK)
-        offs = ((bos + rows)[:, None] * H + h) * K + cols[None, :]
-        qv = tl.load(q + offs, mask=m2, other=0.0).to(tl.float32) * (rq * scale)[:, None]
-        kv = tl.load(k + offs, mask=m2, other=0.0).to(tl.float32) * rk[:, None]
-        zv = tl.load(gz + offs, mask=m2, other=0.0).to(tl.float32)
-        g, _, _ = _gate(zv, A_log, dt_bias, h, cols, lower_bound, K, GATE_IN_KERNEL, HAS_DT_BIAS)
-        G = tl.cumsum(tl.where(m2, g, 0.0), axis=0)
-        if SCORES:
-            tl.store(gcum + offs, G * LOG2E, mask=m2)
-        eG = tl.exp(G)
-        GC = tl.sum(tl.where(rows[:, None] == BT - 1, G, 0.0), axis=0)
-        tl.store(qg_out + offs, (qv * eG).to(qg_out.dtype.element_ty), mask=m2)
-        tl.store(kg_out + offs, (kv * eG).to(kg_out.dtype.element_ty), mask=m2)
-        tl.store(kend_out + offs, (kv * tl.exp(GC[None, :] - G)).to(kend_out.dtype.element_ty), mask=m2)
-        tl.store(gc_out + (c.to(tl.int64) * H + h) * K + cols, tl.exp(GC))
+    nrm = rnorm + ((bos + rows) * H + h) * 2
+    tl.store(nrm, rq, mask=valid)
+    tl.store(nrm + 1, rk, mask=valid)
+
+
+@triton.jit
+def _prep_blocked_kernel(q, k, gz, A_log, dt_bias, chunk_bos, chunk_eos, rnorm,
+                         kg_out, qg_out, kend_out, gc_out, gcum,
+                         scale, lower_bound, H,
+                         K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                         GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
+    """Per (chunk, head, block of BK key columns): the gate, its cumsum G (log2 units, into ``gcum``
+    for the score kernels), Gamma Q, Gamma K, Gamma_C / Gamma K and Gamma_C, with the row norms from
+    ``rnorm``. Every output is separable over key columns, so a program holds one [BT, BK] block."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    kb = tl.program_id(2)
+    bos, eos, rows, valid = _chunk_rows(chunk_bos, chunk_eos, c, BT)
+    m2 = valid[:, None]
+    nrm = rnorm + ((bos + rows) * H + h) * 2
+    rq = tl.load(nrm, mask=valid, other=0.0)
+    rk = tl.load(nrm + 1, mask=valid, other=0.0)
+    cols = kb * BK + tl.arange(0, BK)
+    offs = ((bos + rows)[:, None] * H + h) * K + cols[None, :]
+    qv = tl.load(q + offs, mask=m2, other=0.0).to(tl.float32) * (rq * scale)[:, None]
+    kv = tl.load(k + offs, mask=m2, other=0.0).to(tl.float32) * rk[:, None]
+    zv = tl.load(gz + offs, mask=m2, other=0.0).to(tl.float32)
+    g, _, _ = _gate(zv, A_log, dt_bias, h, cols, lower_bound, K, GATE_IN_KERNEL, HAS_DT_BIAS)
+    G = tl.cumsum(tl.where(m2, g, 0.0), axis=0) * LOG2E
+    tl.store(gcum + offs, G, mask=m2)
+    eG = tl.exp2(G)
+    GC = tl.sum(tl.where(rows[:, None] == BT - 1, G, 0.0), axis=0)
+    tl.store(qg_out + offs, (qv * eG).to(qg_out.dtype.element_ty), mask=m2)
+    tl.store(kg_out + offs, (kv * eG).to(kg_out.dtype.element_ty), mask=m2)
+    tl.store(kend_out + offs, (kv * tl.exp2(GC[None, :] - G)).to(kend_out.dtype.element_ty), mask=m2)
+    tl.store(gc_out + (c.to(tl.int64) * H + h) * K + cols, tl.exp2(GC))
 
 
 @triton.jit
@@ -443,30 +453,33 @@ def _state_bwd_kernel(qg, w, kend, aqk, gc, do, dh, ddelta, seg_init, seg_start_
 @triton.jit
 def _bwd_vside_kernel(v, beta, chunk_bos, chunk_eos, x_in, delta, states, dh, ddelta, do,
                       dv, dqg_out, dw_out, dkend_out, daqk_out, dt_out, dgc_out, H: tl.constexpr,
-                      K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                       BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr):
-    """The gradients that contract over V, V in blocks of BV; grid (chunks, heads, 3).
+    """The gradients that contract over V, V in blocks of BV; grid (2 K/BK + 2 roles, chunks, heads).
 
-    Role 0: dQg = dO S^T and dW = -dDelta S^T. Role 1: dKend = Delta dS^T, dAqk = dO Delta^T,
-    dGamma_C = rowsum(S * dS), with Delta = U - W S as the backward's state pass kept it. Role 2:
-    dV = T^T dDelta and dT = dDelta V^T (no state; T = X Diag(b)). Three roles, not one program,
-    because three [64, K] fp32 accumulators plus the [64, 64] ones do not fit in registers at
-    d=128 (two roles spilled 1.4 KB per thread at sm_90).
+    Per key block of BK columns: dQg = dO S^T and dW = -dDelta S^T (roles [0, NKB)); dKend = Delta
+    dS^T and dGamma_C = rowsum(S * dS) (roles [NKB, 2 NKB)), with Delta = U - W S as the backward's
+    state pass kept it. Role 2 NKB: dAqk = dO Delta^T. Last role: dV = T^T dDelta and dT = dDelta
+    V^T (no state; T = X Diag(b)). Key blocks keep each program's accumulators and state slabs small
+    (the whole [64, K] in one program spilled at d=128); the role is the fastest grid axis so that
+    the programs of one chunk run together and re-read dO, Delta and dDelta from L2.
     """
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    role = tl.program_id(2)
+    NKB: tl.constexpr = K // BK
+    role = tl.program_id(0)
+    c = tl.program_id(1)
+    h = tl.program_id(2)
     c64 = c.to(tl.int64)
     bos, eos, rows, valid = _chunk_rows(chunk_bos, chunk_eos, c, BT)
     m2 = valid[:, None]
-    ck = tl.arange(0, K)
     cb = tl.arange(0, BT)
     tok_k = (bos * H + h) * K  # row 0 of the chunk in [T, H, K] tensors
     tok_v = (bos * H + h) * V
     st = (c64 * H + h) * K * V  # this chunk's [K, V] state
-    if role == 0:
-        dqg = tl.zeros([BT, K], dtype=tl.float32)
-        dW = tl.zeros([BT, K], dtype=tl.float32)
+    sq = (c64 * H + h) * BT * BT
+    ck = (role % NKB) * BK + tl.arange(0, BK)
+    if role < NKB:
+        dqg = tl.zeros([BT, BK], dtype=tl.float32)
+        dW = tl.zeros([BT, BK], dtype=tl.float32)
         for vb in tl.static_range(0, V // BV):
             cvb = vb * BV + tl.arange(0, BV)
             S = tl.load(states + st + ck[:, None] * V + cvb[None, :])
@@ -476,48 +489,38 @@ def _bwd_vside_kernel(v, beta, chunk_bos, chunk_eos, x_in, delta, states, dh, dd
             dW -= tl.dot(dD.to(S.dtype), tl.trans(S), input_precision=PREC)
         tl.store(dqg_out + tok_k + rows[:, None] * (H * K) + ck[None, :], dqg, mask=m2)
         tl.store(dw_out + tok_k + rows[:, None] * (H * K) + ck[None, :], dW, mask=m2)
+    elif role < 2 * NKB:
+        dkend = tl.zeros([BT, BK], dtype=tl.float32)
+        dgc = tl.zeros([BK], dtype=tl.float32)
+        for vb in tl.static_range(0, V // BV):
+            cvb = vb * BV + tl.arange(0, BV)
+            S = tl.load(states + st + ck[:, None] * V + cvb[None, :])
+            dH = tl.load(dh + st + ck[:, None] * V + cvb[None, :])
+            D = tl.load(delta + tok_v + rows[:, None] * (H * V) + cvb[None, :], mask=m2, other=0.0).to(tl.float32)
+            dgc += tl.sum(S.to(tl.float32) * dH.to(tl.float32), axis=1)
+            dkend += tl.dot(D.to(dH.dtype), tl.trans(dH), input_precision=PREC)
+        tl.store(dkend_out + tok_k + rows[:, None] * (H * K) + ck[None, :], dkend, mask=m2)
+        tl.store(dgc_out + (c64 * H + h) * K + ck, dgc)
+    elif role == 2 * NKB:
+        dAqk = tl.zeros([BT, BT], dtype=tl.float32)
+        for vb in tl.static_range(0, V // BV):
+            cvb = vb * BV + tl.arange(0, BV)
+            D = tl.load(delta + tok_v + rows[:, None] * (H * V) + cvb[None, :], mask=m2, other=0.0).to(tl.float32)
+            dOt = tl.load(do + tok_v + rows[:, None] * (H * V) + cvb[None, :], mask=m2, other=0.0).to(tl.float32)
+            dAqk += tl.dot(dOt, tl.trans(D), input_precision=PREC)
+        tl.store(daqk_out + sq + rows[:, None] * BT + cb[None, :], tl.where(rows[:, None] >= cb[None, :], dAqk, 0.0))
     else:
-        sq = (c64 * H + h) * BT * BT
-        if role == 1:
-            dkend = tl.zeros([BT, K], dtype=tl.float32)
-            dAqk = tl.zeros([BT, BT], dtype=tl.float32)
-            dgc = tl.zeros([K], dtype=tl.float32)
-            for vb in tl.static_range(0, V // BV):
-                cvb = vb * BV + tl.arange(0, BV)
-                S = tl.load(states + st + ck[:, None] * V + cvb[None, :])
-                dH = tl.load(dh + st + ck[:, None] * V + cvb[None, :])
-                D = tl.load(delta + tok_v + rows[:, None] * (H * V) + cvb[None, :], mask=m2, other=0.0).to(tl.float32)
-                dgc += tl.sum(S.to(tl.float32) * dH.to(tl.float32), axis=1)
-                dkend += tl.dot(D.to(dH.dtype), tl.trans(dH), input_precision=PREC)
-                dOt = tl.load(do + tok_v + rows[:, None] * (H * V) + cvb[None, :], mask=m2, other=0.0).to(tl.float32)
-                dAqk += tl.dot(dOt, tl.trans(D), input_precision=PREC)
-            tl.store(dkend_out + tok_k + rows[:, None] * (H * K) + ck[None, :], dkend, mask=m2)
-            tl.store(daqk_out + sq + rows[:, None] * BT + cb[None, :],
-                     tl.where(rows[:, None] >= cb[None, :], dAqk, 0.0))
-            tl.store(dgc_out + (c64 * H + h) * K + ck, dgc)
-        else:
-            T = tl.load(x_in + sq + rows[:, None] * BT + cb[None, :]) * _chunk_beta(beta, bos, rows, valid, h, H,
-                                                                                      BETA_SIGMOID)[None, :]
-            dT = tl.zeros([BT, BT], dtype=tl.float32)
-            for vb in tl.static_range(0, V // BV):
-                cvb = vb * BV + tl.arange(0, BV)
-                vv = tl.load(v + tok_v + rows[:, None] * (H * V) + cvb[None, :], mask=m2, other=0.0).to(tl.float32)
-                dD = tl.load(ddelta + tok_v + rows[:, None] * (H * V) + cvb[None, :], mask=m2, other=0.0).to(tl.float32)
-                dT += tl.dot(dD, tl.trans(vv), input_precision=PREC)  # U = T V
-                tl.store(dv + tok_v + rows[:, None] * (H * V) + cvb[None, :],
-                         tl.dot(tl.trans(T), dD, input_precision=PREC).to(dv.dtype.element_ty), mask=m2)
-            tl.store(dt_out + sq + rows[:, None] * BT + cb[None, :], dT)
-
-
-@triton.jit
-def _cols_kg(kp, zp, A_log, dt_bias, offs, m2, h, lower_bound, rk, cols, K: tl.constexpr,
-             GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
-    """Normalised k, the log-decay g and its in-chunk cumsum G for one column block."""
-    kv = tl.load(kp + offs, mask=m2, other=0.0).to(tl.float32) * rk[:, None]
-    zv = tl.load(zp + offs, mask=m2, other=0.0).to(tl.float32)
-    g, s, sig = _gate(zv, A_log, dt_bias, h, cols, lower_bound, K, GATE_IN_KERNEL, HAS_DT_BIAS)
-    g = tl.where(m2, g, 0.0)
-    return kv, g, tl.cumsum(g, axis=0)
+        T = tl.load(x_in + sq + rows[:, None] * BT + cb[None, :]) * _chunk_beta(beta, bos, rows, valid, h, H,
+                                                                                  BETA_SIGMOID)[None, :]
+        dT = tl.zeros([BT, BT], dtype=tl.float32)
+        for vb in tl.static_range(0, V // BV):
+            cvb = vb * BV + tl.arange(0, BV)
+            vv = tl.load(v + tok_v + rows[:, None] * (H * V) + cvb[None, :], mask=m2, other=0.0).to(tl.float32)
+            dD = tl.load(ddelta + tok_v + rows[:, None] * (H * V) + cvb[None, :], mask=m2, other=0.0).to(tl.float32)
+            dT += tl.dot(dD, tl.trans(vv), input_precision=PREC)  # U = T V
+            tl.store(dv + tok_v + rows[:, None] * (H * V) + cvb[None, :],
+                     tl.dot(tl.trans(T), dD, input_precision=PREC).to(dv.dtype.element_ty), mask=m2)
+        tl.store(dt_out + sq + rows[:, None] * BT + cb[None, :], dT)
 
 
 # ----------------------------------------------------------------------------- backward, key side
@@ -526,16 +529,14 @@ def _cols_kg(kp, zp, A_log, dt_bias, offs, m2, h, lower_bound, rk, cols, K: tl.c
 # gate, L2-norm and beta backward (_bwd_kside_gate_kernel). One fused program per chunk held every
 # [64, BK] operand at once: 255 registers, 2 programs per SM, latency-bound (kernels/NOTES.md).
 @triton.jit
-def _bwd_kside_chunk_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos, x_in, dw_in, daqk_in, dt_in,
-                            gcum, rnorm, db_part, lower_bound, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                            BT: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                            L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr,
-                            SCORE_PREC: tl.constexpr):
-    """Key side 1/3, per (chunk, head): the L2-norm reciprocals (into ``rnorm``) and the cumsum G (into
-    ``gcum``, in log2 units: the later steps take exp2) for the later steps; dT += dW (Gamma K)^T, then the UT backward (T = X Diag(b), X = (I +
-    Diag(b) R)^-1): its share of d b (``db_part`` slot 0), dA over dT in its scratch, and d(Gamma K) =
-    T^T dW over dW in its scratch. At SCORE_PREC="tf32" dA and dAqk are rounded to tf32 here, once,
-    because step 2 reads their slabs in both orientations (see _bwd_kside_tile_kernel)."""
+def _bwd_kside_chunk_kernel(k, beta, chunk_bos, chunk_eos, x_in, dw_in, daqk_in, dt_in, gcum, rnorm, db_part,
+                            H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                            BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr, SCORE_PREC: tl.constexpr):
+    """Key side 1/3, per (chunk, head): dT += dW (Gamma K)^T (G and the row norms as the backward's prep
+    left them in ``gcum`` / ``rnorm``), then the UT backward (T = X Diag(b), X = (I + Diag(b) R)^-1):
+    its share of d b (``db_part`` slot 0), dA over dT in its scratch, and d(Gamma K) = T^T dW over
+    dW in its scratch. At SCORE_PREC="tf32" dA and dAqk are rounded to tf32 here, once, because step
+    2 reads their slabs in both orientations (see _bwd_kside_tile_kernel)."""
     ROUND: tl.constexpr = SCORE_PREC == "tf32"
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -545,26 +546,16 @@ def _bwd_kside_chunk_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos
     cb = tl.arange(0, BT)
     tok = (bos * H + h) * K  # row 0 of the chunk in [T, H, K] tensors; + rows * H * K + column
     sq = (c64 * H + h) * BT * BT
-    if L2NORM:
-        rq = _row_norms(q, bos, eos, h, H, K, BK, BT)
-        rk = _row_norms(k, bos, eos, h, H, K, BK, BT)
-    else:
-        rq = tl.full([BT], 1.0, tl.float32)
-        rk = tl.full([BT], 1.0, tl.float32)
-    nrm = rnorm + ((bos + rows) * H + h) * 2
-    tl.store(nrm, rq, mask=valid)
-    tl.store(nrm + 1, rk, mask=valid)
+    rk = tl.load(rnorm + ((bos + rows) * H + h) * 2 + 1, mask=valid, other=0.0)
     bv = _chunk_beta(beta, bos, rows, valid, h, H, BETA_SIGMOID)
 
     dT = tl.load(dt_in + sq + rows[:, None] * BT + cb[None, :])
     for kb in tl.range(0, K // BK):
-        cols = kb * BK + tl.arange(0, BK)
-        offs = rows[:, None] * (H * K) + cols[None, :]
-        kv, g, G = _cols_kg(k + tok, gz + tok, A_log, dt_bias, offs, m2, h, lower_bound, rk, cols, K,
-                            GATE_IN_KERNEL, HAS_DT_BIAS)
-        tl.store(gcum + tok + offs, G * LOG2E, mask=m2)
+        offs = rows[:, None] * (H * K) + (kb * BK + tl.arange(0, BK))[None, :]
+        kg = (tl.load(k + tok + offs, mask=m2, other=0.0).to(tl.float32) * rk[:, None]
+              * tl.exp2(tl.load(gcum + tok + offs, mask=m2, other=0.0)))
         dWb = tl.load(dw_in + tok + offs, mask=m2, other=0.0)
-        dT += tl.dot(dWb, tl.trans(kv * tl.exp(G)), input_precision=PREC)
+        dT += tl.dot(dWb, tl.trans(kg), input_precision=PREC)
     X = tl.load(x_in + sq + rows[:, None] * BT + cb[None, :])
     tl.store(db_part + (bos + rows) * H + h, tl.sum(dT * X, axis=0), mask=valid)  # over rows i: d b_j
     dA = -tl.dot(tl.dot(tl.trans(X), dT * bv[None, :], input_precision=PREC), tl.trans(X), input_precision=PREC)

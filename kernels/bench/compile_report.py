@@ -42,8 +42,10 @@ def launches(tuning: dict) -> dict:
     params = {"A_log", "dt_bias"}
     states = {"states", "dh", "ddelta", "delta"} if tuning["bwd_states"] == "fp32" else set()
     return {
-        "prep": (kt._prep_blocked_kernel, dict(K=128, BT=64, BK=tuning["prep_bk"], SCORES=True, GATE_IN_KERNEL=True,
-                                               HAS_DT_BIAS=True, L2NORM=True),
+        "norms": (kt._row_norms_kernel, dict(K=128, BT=64, BK=tuning["norm_bk"], L2NORM=True), {"rnorm"},
+                  tuning["norm_warps"], 1, 0),
+        "prep": (kt._prep_blocked_kernel, dict(K=128, BT=64, BK=tuning["prep_bk"], GATE_IN_KERNEL=True,
+                                               HAS_DT_BIAS=True),
                  params | {"gc_out", "gcum", "rnorm"}, tuning["prep_warps"], 1, tuning["prep_maxnreg"]),
         "scores": (kt._prep_scores_kernel, dict(dims, H=16, BK=tuning["score_bk"], BETA_SIGMOID=True, DOT_PREC="tf32"),
                    {"gcum", "rnorm", "a_out"}, tuning["score_warps"], 1, 0),
@@ -57,13 +59,13 @@ def launches(tuning: dict) -> dict:
         "state_bwd": (kt._state_bwd_kernel, dict(dims, V=128, BV=64, HAS_INIT=True, STORE=True, DOT_PREC="tf32",
                                                  OPD=tl.float32 if tuning["state_prec"] == "tf32" else tl.bfloat16),
                       {"gc", "seg_init", "seg_start_grad"} | states, tuning["state_warps"], tuning["state_stages"], 0),
-        "vside": (kt._bwd_vside_kernel, dict(dims, H=16, V=128, BV=tuning["vside_bv"], BETA_SIGMOID=True,
+        "vside": (kt._bwd_vside_kernel, dict(dims, H=16, V=128, BK=tuning["vside_bk"], BV=tuning["vside_bv"], BETA_SIGMOID=True,
                                              PREC=tuning["bwd_prec"]),
                   {"x_in", "dqg_out", "dw_out", "dkend_out", "daqk_out", "dt_out", "dgc_out"} | states,
                   tuning["vside_warps"], 1, tuning["vside_maxnreg"]),
         "kside": (kt._bwd_kside_chunk_kernel, dict(dims, H=16, BK=tuning["kside_bk"], PREC=tuning["bwd_prec"],
-                                                   SCORE_PREC=tuning["score_prec"], **flags),
-                  params | {"x_in", "dw_in", "daqk_in", "dt_in", "gcum", "rnorm", "db_part"}, tuning["kside_warps"],
+                                                   SCORE_PREC=tuning["score_prec"], BETA_SIGMOID=True),
+                  {"x_in", "dw_in", "daqk_in", "dt_in", "gcum", "rnorm", "db_part"}, tuning["kside_warps"],
                   tuning["kside_stages"], 0),
         "ktile": (kt._bwd_kside_tile_kernel, dict(dims, H=16, BK=tuning["ktile_bk"], SCORE_PREC=tuning["score_prec"],
                                                   L2NORM=True, BETA_SIGMOID=True),
@@ -130,7 +132,7 @@ def compile_one(fn, constexprs: dict, fp32: set, warps: int, stages: int, maxnre
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--kernels", default="prep,scores,inverse,wu,state_fwd,state_bwd,vside,kside,ktile,kgate")
+    p.add_argument("--kernels", default="norms,prep,scores,inverse,wu,state_fwd,state_bwd,vside,kside,ktile,kgate")
     p.add_argument("--tuning", default="", help="TUNING overrides, 'key=value,...'")
     p.add_argument("--json", action="store_true", help="one JSON object per kernel instead of the table")
     args = p.parse_args(argv)
