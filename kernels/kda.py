@@ -47,7 +47,7 @@ CHUNK = 64
 # / ``kgate`` the key-side backward's chunk, tile and gate kernels; ``*_stages``: software pipelining
 # of a loop's loads (``ktile_stages=3``: 10.99 -> 10.44 ms at B=8,T=4K).
 TUNING = dict(save_prep="inverse", norm_warps=4, norm_bk=32, prep_warps=4, prep_bk=32, prep_maxnreg=0, score_warps=1, score_bk=64,
-              inv_warps=2, wu_warps=4, state_warps=4, state_stages=1, bwd_states="fp32", state_prec="tf32",
+              inv_warps=2, wu_warps=4, state_warps=4, state_stages=1, state_bv=64, state_bwd_bv=64, bwd_states="fp32", state_prec="tf32",
               bwd_prec="tf32", score_prec="tf32", vside_warps=4, vside_bk=64, vside_bv=64, vside_maxnreg=0, kside_warps=4,
               kside_bk=16, kside_stages=1, ktile_warps=4, ktile_bk=64, ktile_maxnreg=168, ktile_stages=3, kgate_warps=4,
               kgate_bk=32)
@@ -125,9 +125,9 @@ def build_plan(seq_lens: list[int], device: torch.device, segment_chunks: int | 
     for length in seq_lens:
         n_chunks = -(-length // CHUNK)
         first_chunk = len(chunk_bos)
-        for c in range(n_chunks):
-            chunk_bos.append(start + c * CHUNK)
-            chunk_eos.append(min(start + (c + 1) * CHUNK, start + length))
+        chunk_bos.extend(range(start, start + length, CHUNK))
+        chunk_eos.extend(range(start + CHUNK, start + length, CHUNK))
+        chunk_eos.append(start + length)
         per = n_chunks if segment_chunks is None else segment_chunks
         seq_seg0.append(len(seg_chunk0))
         for c in range(0, n_chunks, per):
@@ -138,8 +138,14 @@ def build_plan(seq_lens: list[int], device: torch.device, segment_chunks: int | 
         seq_nseg.append(len(seg_chunk0) - seq_seg0[-1])
         start += length
 
-    def ints(x: list[int]) -> Tensor:
-        return torch.tensor(x, dtype=torch.int32, device=device)
+    # One host buffer, one copy: a copy from pageable memory would wait for all queued GPU work
+    # (a stream sync) and leave the GPU idle while the host launches the next kernels.
+    tables = (chunk_bos, chunk_eos, seg_chunk0, seg_nchunks, seg_bos, seg_eos, seq_seg0, seq_nseg)
+    host = torch.tensor([x for table in tables for x in table], dtype=torch.int32)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    flat = host.to(device, non_blocking=True)
+    ints = torch.split(flat, [len(table) for table in tables])
 
     first = torch.tensor(seq_seg0, dtype=torch.long)
     nseg = torch.tensor(seq_nseg, dtype=torch.long)
@@ -147,15 +153,36 @@ def build_plan(seq_lens: list[int], device: torch.device, segment_chunks: int | 
     steps = []
     for j in range(int(nseg.max()) if len(seq_nseg) else 0):
         seqs = torch.nonzero(nseg > j).flatten()
-        steps.append((seqs.to(device), (first[seqs] + j).to(device)))
+        steps.append((seqs, first[seqs] + j))
+    longs = [t for step in steps for t in step] + [last, first]
+    host = torch.cat(longs)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    on_device = torch.split(host.to(device, non_blocking=True), [len(t) for t in longs])
     return _Plan(
-        chunk_bos=ints(chunk_bos), chunk_eos=ints(chunk_eos),
-        seg_chunk0=ints(seg_chunk0), seg_nchunks=ints(seg_nchunks), seg_bos=ints(seg_bos), seg_eos=ints(seg_eos),
-        seq_seg0=ints(seq_seg0), seq_nseg=ints(seq_nseg),
-        compose_steps=tuple(steps), last_seg=last.to(device), first_seg=first.to(device),
-        num_chunks=len(chunk_bos), num_segments=len(seg_chunk0), num_seqs=len(seq_lens),
+        chunk_bos=ints[0], chunk_eos=ints[1], seg_chunk0=ints[2], seg_nchunks=ints[3], seg_bos=ints[4],
+        seg_eos=ints[5], seq_seg0=ints[6], seq_nseg=ints[7],
+        compose_steps=tuple(zip(on_device[:-2:2], on_device[1:-2:2])), last_seg=on_device[-2],
+        first_seg=on_device[-1], num_chunks=len(chunk_bos), num_segments=len(seg_chunk0), num_seqs=len(seq_lens),
         segmented=len(seg_chunk0) > len(seq_lens),
     )
+
+
+_PLANS: dict = {}
+_PLAN_CACHE_SIZE = 64
+
+
+def cached_plan(seq_lens: list[int], device: torch.device, segment_chunks: int | None) -> _Plan:
+    """:func:`build_plan`, remembered for the latest few (lengths, device, segment) keys: a training
+    step calls every KDA layer with the same lengths, forward and backward."""
+    key = (tuple(seq_lens), str(device), segment_chunks)
+    plan = _PLANS.pop(key, None)
+    if plan is None:
+        plan = build_plan(seq_lens, device, segment_chunks)
+        while len(_PLANS) >= _PLAN_CACHE_SIZE:
+            _PLANS.pop(next(iter(_PLANS)))
+    _PLANS[key] = plan  # most recent last
+    return plan
 
 
 @dataclass(frozen=True)
@@ -171,7 +198,8 @@ def _config(q: Tensor, v: Tensor) -> dict:
     inter = torch.float32 if q.dtype == torch.float32 else torch.bfloat16
     exact = inter == torch.float32
     return dict(inter=inter, dot="ieee" if exact else "tf32",
-                BV=min(64, q.shape[-1], v.shape[-1]))
+                BV=min(TUNING["state_bv"], q.shape[-1], v.shape[-1]),
+                BV_BWD=min(TUNING["state_bwd_bv"], q.shape[-1], v.shape[-1]))
 
 
 def _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan: _Plan, flags: _Flags, cfg: dict,
@@ -384,7 +412,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
         cfg = _config(q, v)
         total, heads, key_dim = q.shape
         value_dim = v.shape[-1]
-        bv = cfg["BV"]
+        bv = cfg["BV_BWD"]
         do = do.contiguous()
         if len(kept) == 8:  # save_prep="all"
             w, u, qg, kend, aqk, gc, x, gcum = kept
@@ -484,7 +512,7 @@ def _run(q, k, v, gz, beta, A_log, dt_bias, initial_state, output_final_state, c
     elif segment_chunks is None:
         segment_chunks = auto_segment_chunks([-(-n // CHUNK) for n in lens], heads,
                                              value_dim // min(64, key_dim, value_dim), q.device)
-    plan = build_plan(lens, q.device, segment_chunks)
+    plan = cached_plan(lens, q.device, segment_chunks)
     flat = [t.reshape(batch * seq_len, *t.shape[2:]).contiguous() for t in (q, k, v, gz, beta)]
     o, final = _ChunkKDAFunction.apply(*flat, A_log, dt_bias, initial_state, plan, flags)
     return o.reshape(batch, seq_len, heads, value_dim), (final if output_final_state else None)
