@@ -82,19 +82,6 @@ def _gate(zv, A_log, dt_bias, h, cols, lower_bound, K: tl.constexpr, GATE_IN_KER
 
 
 @triton.jit
-def _cumsum_rows(x, BT: tl.constexpr):
-    """Cumulative sum over the BT rows of x [BT, BK] as a triangular matmul on the tensor cores: x =
-    hi + lo with hi the tf32 rounding of x, so both halves pass tf32 products exactly up to 2^-22
-    |x|, and the 0/1 matrix exactly. A row scan across threads (tl.cumsum) was a third of the
-    prep's instructions (1608 -> 1176 per warp at sm_90; the gate kernel's reverse scan gained
-    nothing this way)."""
-    r = tl.arange(0, BT)
-    tri = tl.where(r[:, None] >= r[None, :], 1.0, 0.0)
-    hi = _to_tf32(x, True)
-    return tl.dot(tri, x - hi, tl.dot(tri, hi, input_precision="tf32"), input_precision="tf32")
-
-
-@triton.jit
 def _chunk_rows(chunk_bos, chunk_eos, c, BT: tl.constexpr):
     """First token, end of the sequence, row indices and the valid-row mask of chunk ``c``."""
     bos = tl.load(chunk_bos + c).to(tl.int64)
@@ -286,7 +273,7 @@ def _prep_blocked_kernel(q, k, gz, A_log, dt_bias, chunk_bos, chunk_eos, rnorm,
     kv = tl.load(k + offs, mask=m2, other=0.0).to(tl.float32) * rk[:, None]
     zv = tl.load(gz + offs, mask=m2, other=0.0).to(tl.float32)
     g, _, _ = _gate(zv, A_log, dt_bias, h, cols, lower_bound, K, GATE_IN_KERNEL, HAS_DT_BIAS)
-    G = _cumsum_rows(tl.where(m2, g, 0.0), BT) * LOG2E
+    G = tl.cumsum(tl.where(m2, g, 0.0), axis=0) * LOG2E
     tl.store(gcum + offs, G, mask=m2)
     eG = tl.exp2(G)
     GC = tl.sum(tl.where(rows[:, None] == BT - 1, G, 0.0), axis=0)
