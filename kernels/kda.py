@@ -232,12 +232,12 @@ def _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan: _Plan, flags: _Flags, cfg
                                    BK=min(TUNING["norm_bk"], key_dim), BT=CHUNK, L2NORM=flags.l2norm,
                                    num_warps=TUNING["norm_warps"], num_stages=1)
     # w holds Gamma K until _wu_kernel turns it into W; x holds A until _ut_inverse_kernel turns it into X
-    kt._prep_blocked_kernel[(plan.num_chunks, heads, key_dim // bk)](
+    kt._prep_blocked_kernel[(plan.num_chunks * heads * (key_dim // bk),)](
         q, k, gz, a_log, dtb, plan.chunk_bos, plan.chunk_eos, rnorm, w, qg, kend, gc, gcum, flags.scale,
         flags.lower_bound, heads, K=key_dim, BK=bk, BT=CHUNK, GATE_IN_KERNEL=flags.gate_in_kernel,
         HAS_DT_BIAS=dt_bias is not None, num_warps=TUNING["prep_warps"], num_stages=1, **_register_cap("prep"))
     if scores is None:
-        kt._prep_scores_kernel[(plan.num_chunks, heads, 10)](
+        kt._prep_scores_kernel[(plan.num_chunks * heads * 10,)](
             q, k, beta, plan.chunk_bos, plan.chunk_eos, gcum, rnorm, aqk, x, flags.scale, heads, K=key_dim,
             BK=min(TUNING["score_bk"], key_dim), BT=CHUNK, BETA_SIGMOID=flags.beta_sigmoid, DOT_PREC=cfg["dot"],
             num_warps=TUNING["score_warps"], num_stages=1)
@@ -333,7 +333,7 @@ def _bwd_vside(kt, v: Tensor, beta: Tensor, delta: Tensor, x: Tensor, states: Te
     args = (v, beta, plan.chunk_bos, plan.chunk_eos, x, delta, states, dh, ddelta, do,
             dv, scratch["dqg"], scratch["dw"], scratch["dkend"], scratch["daqk"], scratch["dt"], scratch["dgc"], heads)
     bk = min(TUNING["vside_bk"], key_dim)
-    kt._bwd_vside_kernel[(2 * (key_dim // bk) + 2, plan.num_chunks, heads)](
+    kt._bwd_vside_kernel[(plan.num_chunks * heads * (2 * (key_dim // bk) + 2),)](
         *args, K=key_dim, V=value_dim, BK=bk, BV=min(TUNING["vside_bv"], value_dim),
         num_warps=TUNING["vside_warps"], **_register_cap("vside"), **meta)
     return scratch
@@ -365,13 +365,13 @@ def _bwd_kside(kt, q: Tensor, k: Tensor, gz: Tensor, beta: Tensor, A_log: Tensor
         k, beta, plan.chunk_bos, plan.chunk_eos, x, scratch["dw"], scratch["daqk"], scratch["dt"], gcum, rnorm,
         db_part, heads, K=key_dim, BK=min(TUNING["kside_bk"], key_dim), BT=CHUNK, BETA_SIGMOID=flags.beta_sigmoid,
         PREC=prec, SCORE_PREC=score_prec, num_warps=TUNING["kside_warps"], num_stages=TUNING["kside_stages"])
-    kt._bwd_kside_tile_kernel[(plan.num_chunks, heads, (CHUNK // 16) * tile_blocks)](
+    kt._bwd_kside_tile_kernel[(plan.num_chunks * heads * (CHUNK // 16) * tile_blocks,)](
         q, k, beta, plan.chunk_bos, plan.chunk_eos, gcum, rnorm, scratch["dqg"], scratch["dw"], scratch["dkend"],
         scratch["daqk"], scratch["dt"], dq, dk, db_part, row_part, esum_part, flags.scale, total, heads,
         K=key_dim, BK=tile_bk, BT=CHUNK, L2NORM=flags.l2norm, BETA_SIGMOID=flags.beta_sigmoid,
         SCORE_PREC=score_prec, num_warps=TUNING["ktile_warps"], num_stages=TUNING["ktile_stages"],
         **_register_cap("ktile"))
-    kt._bwd_kside_gate_kernel[(plan.num_chunks, heads, key_dim // gate_bk)](
+    kt._bwd_kside_gate_kernel[(plan.num_chunks * heads * (key_dim // gate_bk),)](
         q, k, gz, beta, A_log, dt_bias, plan.chunk_bos, plan.chunk_eos, gcum, rnorm, scratch["dqg"], scratch["dw"],
         scratch["dkend"], scratch["dgc"], esum_part, db_part, row_part, dq, dk, dgz, dbeta, dA_part, ddtb_part,
         flags.lower_bound, total, heads, K=key_dim, BK=gate_bk, BT=CHUNK, TILE_BLOCKS=tile_blocks, **gate_flags,

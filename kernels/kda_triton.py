@@ -82,6 +82,17 @@ def _gate(zv, A_log, dt_bias, h, cols, lower_bound, K: tl.constexpr, GATE_IN_KER
 
 
 @triton.jit
+def _program_split(R: tl.constexpr, H):
+    """(chunk, head, part) of a 1-D grid over chunks x heads x R parts, the part fastest: the programs
+    of one chunk run together, so the rows they share come from L2 (on (chunk, head, part) grids
+    they were a whole grid plane apart and came from DRAM each time)."""
+    pid = tl.program_id(0)
+    part = pid % R
+    ch = pid // R
+    return ch // H, ch % H, part
+
+
+@triton.jit
 def _chunk_rows(chunk_bos, chunk_eos, c, BT: tl.constexpr):
     """First token, end of the sequence, row indices and the valid-row mask of chunk ``c``."""
     bos = tl.load(chunk_bos + c).to(tl.int64)
@@ -259,9 +270,7 @@ def _prep_blocked_kernel(q, k, gz, A_log, dt_bias, chunk_bos, chunk_eos, rnorm,
     """Per (chunk, head, block of BK key columns): the gate, its cumsum G (log2 units, into ``gcum``
     for the score kernels), Gamma Q, Gamma K, Gamma_C / Gamma K and Gamma_C, with the row norms from
     ``rnorm``. Every output is separable over key columns, so a program holds one [BT, BK] block."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    kb = tl.program_id(2)
+    c, h, kb = _program_split(K // BK, H)
     bos, eos, rows, valid = _chunk_rows(chunk_bos, chunk_eos, c, BT)
     m2 = valid[:, None]
     nrm = rnorm + ((bos + rows) * H + h) * 2
@@ -295,9 +304,7 @@ def _prep_scores_kernel(q, k, beta, chunk_bos, chunk_eos, gcum, rnorm, aqk_out, 
     1, the second at most exp(16 |g_min|) = e^80, finite in fp32 (the bounded gate), so every pair,
     diagonal ones included, is one dense product.
     """
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    p = tl.program_id(2)
+    c, h, p = _program_split(10, H)
     i = (p >= 1).to(tl.int32) + (p >= 3).to(tl.int32) + (p >= 6).to(tl.int32)
     j = p - i * (i + 1) // 2
     bos = tl.load(chunk_bos + c).to(tl.int64)
@@ -470,19 +477,17 @@ def _bwd_vside_kernel(v, beta, chunk_bos, chunk_eos, x_in, delta, states, dh, dd
                       dv, dqg_out, dw_out, dkend_out, daqk_out, dt_out, dgc_out, H: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                       BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr):
-    """The gradients that contract over V, V in blocks of BV; grid (2 K/BK + 2 roles, chunks, heads).
+    """The gradients that contract over V, V in blocks of BV; 2 K/BK + 2 roles per (chunk, head).
 
     Per key block of BK columns: dQg = dO S^T and dW = -dDelta S^T (roles [0, NKB)); dKend = Delta
     dS^T and dGamma_C = rowsum(S * dS) (roles [NKB, 2 NKB)), with Delta = U - W S as the backward's
     state pass kept it. Role 2 NKB: dAqk = dO Delta^T. Last role: dV = T^T dDelta and dT = dDelta
     V^T (no state; T = X Diag(b)). Key blocks keep each program's accumulators and state slabs small
-    (the whole [64, K] in one program spilled at d=128); the role is the fastest grid axis so that
-    the programs of one chunk run together and re-read dO, Delta and dDelta from L2.
+    (the whole [64, K] in one program spilled at d=128); the programs of one chunk run together and
+    re-read dO, Delta and dDelta from L2.
     """
     NKB: tl.constexpr = K // BK
-    role = tl.program_id(0)
-    c = tl.program_id(1)
-    h = tl.program_id(2)
+    c, h, role = _program_split(2 * NKB + 2, H)
     c64 = c.to(tl.int64)
     bos, eos, rows, valid = _chunk_rows(chunk_bos, chunk_eos, c, BT)
     m2 = valid[:, None]
@@ -607,10 +612,9 @@ def _bwd_kside_tile_kernel(q, k, beta, chunk_bos, chunk_eos, gcum, rnorm, dqg_in
     """
     ROUND: tl.constexpr = SCORE_PREC == "tf32"
     NKB: tl.constexpr = K // BK
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    i = tl.program_id(2) // NKB
-    kb = tl.program_id(2) % NKB
+    c, h, t = _program_split((BT // TILE) * NKB, H)
+    i = t // NKB
+    kb = t % NKB
     c64 = c.to(tl.int64)
     bos = tl.load(chunk_bos + c).to(tl.int64)
     n = tl.load(chunk_eos + c).to(tl.int64) - bos
@@ -693,9 +697,7 @@ def _bwd_kside_gate_kernel(q, k, gz, beta, A_log, dt_bias, chunk_bos, chunk_eos,
     """Key side 3/3, per (chunk, head, column block): dg = reverse cumsum of dG plus dGamma_C's share,
     the gate backward (dz, and per-chunk A_log / dt_bias partials), the L2-norm backward d x = (d xn
     - xn sum(d xn * xn)) / |x| from step 2's row-sum partials, and (block 0) d beta."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    kb = tl.program_id(2)
+    c, h, kb = _program_split(K // BK, H)
     c64 = c.to(tl.int64)
     ch = c64 * H + h
     bos, eos, rows, valid = _chunk_rows(chunk_bos, chunk_eos, c, BT)
