@@ -224,7 +224,7 @@ def _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan: _Plan, flags: _Flags, cfg
         aqk, x = scores
     a_log = A_log if A_log is not None else gc
     dtb = dt_bias if dt_bias is not None else gc
-    grid = (plan.num_chunks, heads)
+    grid = (plan.num_chunks * heads,)
     bk = min(TUNING["prep_bk"], key_dim)
     if rnorm is None:
         rnorm = torch.empty(total, heads, 2, **f32)
@@ -361,7 +361,7 @@ def _bwd_kside(kt, q: Tensor, k: Tensor, gz: Tensor, beta: Tensor, A_log: Tensor
     ddtb_part = torch.empty(plan.num_chunks, heads, key_dim, **f32) if gate and has_dt_bias else esum_part
     gate_flags = dict(GATE_IN_KERNEL=gate, HAS_DT_BIAS=has_dt_bias, L2NORM=flags.l2norm,
                       BETA_SIGMOID=flags.beta_sigmoid)
-    kt._bwd_kside_chunk_kernel[(plan.num_chunks, heads)](
+    kt._bwd_kside_chunk_kernel[(plan.num_chunks * heads,)](
         k, beta, plan.chunk_bos, plan.chunk_eos, x, scratch["dw"], scratch["daqk"], scratch["dt"], gcum, rnorm,
         db_part, heads, K=key_dim, BK=min(TUNING["kside_bk"], key_dim), BT=CHUNK, BETA_SIGMOID=flags.beta_sigmoid,
         PREC=prec, SCORE_PREC=score_prec, num_warps=TUNING["kside_warps"], num_stages=TUNING["kside_stages"])
