@@ -362,7 +362,7 @@ def _bwd_kside(kt, q: Tensor, k: Tensor, gz: Tensor, beta: Tensor, A_log: Tensor
     gate_flags = dict(GATE_IN_KERNEL=gate, HAS_DT_BIAS=has_dt_bias, L2NORM=flags.l2norm,
                       BETA_SIGMOID=flags.beta_sigmoid)
     kt._bwd_kside_chunk_kernel[(plan.num_chunks * heads,)](
-        k, beta, plan.chunk_bos, plan.chunk_eos, x, scratch["dw"], scratch["daqk"], scratch["dt"], gcum, rnorm,
+        k, beta, plan.chunk_bos, plan.chunk_eos, x, scratch["dw"], scratch["dt"], gcum, rnorm,
         db_part, heads, K=key_dim, BK=min(TUNING["kside_bk"], key_dim), BT=CHUNK, BETA_SIGMOID=flags.beta_sigmoid,
         PREC=prec, SCORE_PREC=score_prec, num_warps=TUNING["kside_warps"], num_stages=TUNING["kside_stages"])
     kt._bwd_kside_tile_kernel[(plan.num_chunks * heads * (CHUNK // 16) * tile_blocks,)](
@@ -455,12 +455,13 @@ class _ChunkKDAFunction(torch.autograd.Function):
         dtb = dt_bias if dt_bias is not None else gc
         prec = "ieee" if exact else TUNING["bwd_prec"]
         del w
+        score_prec = "ieee" if exact else TUNING["score_prec"]
         scratch = _bwd_vside(kt, v, beta, delta, x, states, dh, ddelta, do, dv, plan,
-                             dict(BT=CHUNK, BETA_SIGMOID=flags.beta_sigmoid, PREC=prec, num_stages=1))
+                             dict(BT=CHUNK, BETA_SIGMOID=flags.beta_sigmoid, PREC=prec,
+                                  ROUND_DAQK=score_prec == "tf32", num_stages=1))
         del delta, states, dh, ddelta  # the largest buffers; the k-side kernels read only the scratch
         dA_part, ddtb_part = _bwd_kside(kt, q, k, gz, beta, a_log, dtb, x, gcum, rnorm, scratch, dq, dk, dgz, dbeta,
-                                        plan, flags, dt_bias is not None, prec,
-                                        "ieee" if exact else TUNING["score_prec"])
+                                        plan, flags, dt_bias is not None, prec, score_prec)
         del scratch, gcum
         del x
         dA_log = (dA_part.sum((0, 2)).to(A_log.dtype)

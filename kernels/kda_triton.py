@@ -474,12 +474,13 @@ def _state_bwd_kernel(qg, w, kend, aqk, gc, do, dh, ddelta, seg_init, seg_start_
 def _bwd_vside_kernel(v, beta, chunk_bos, chunk_eos, x_in, delta, states, dh, ddelta, do,
                       dv, dqg_out, dw_out, dkend_out, daqk_out, dt_out, dgc_out, H: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                      BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr):
+                      BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr, ROUND_DAQK: tl.constexpr):
     """The gradients that contract over V, V in blocks of BV; 2 K/BK + 2 roles per (chunk, head).
 
     Per key block of BK columns: dQg = dO S^T and dW = -dDelta S^T (roles [0, NKB)); dKend = Delta
     dS^T and dGamma_C = rowsum(S * dS) (roles [NKB, 2 NKB)), with Delta = U - W S as the backward's
-    state pass kept it. Role 2 NKB: dAqk = dO Delta^T. Last role: dV = T^T dDelta and dT = dDelta
+    state pass kept it. Role 2 NKB: dAqk = dO Delta^T (rounded to tf32 with ROUND_DAQK: the key side
+    reads it in both orientations, see _bwd_kside_tile_kernel). Last role: dV = T^T dDelta and dT = dDelta
     V^T (no state; T = X Diag(b)). Key blocks keep each program's accumulators and state slabs small
     (the whole [64, K] in one program spilled at d=128); the programs of one chunk run together and
     re-read dO, Delta and dDelta from L2.
@@ -526,7 +527,8 @@ def _bwd_vside_kernel(v, beta, chunk_bos, chunk_eos, x_in, delta, states, dh, dd
             D = tl.load(delta + tok_v + rows[:, None] * (H * V) + cvb[None, :], mask=m2, other=0.0).to(tl.float32)
             dOt = tl.load(do + tok_v + rows[:, None] * (H * V) + cvb[None, :], mask=m2, other=0.0).to(tl.float32)
             dAqk += tl.dot(dOt, tl.trans(D), input_precision=PREC)
-        tl.store(daqk_out + sq + rows[:, None] * BT + cb[None, :], tl.where(rows[:, None] >= cb[None, :], dAqk, 0.0))
+        tl.store(daqk_out + sq + rows[:, None] * BT + cb[None, :],
+                 _to_tf32(tl.where(rows[:, None] >= cb[None, :], dAqk, 0.0), ROUND_DAQK))
     else:
         T = tl.load(x_in + sq + rows[:, None] * BT + cb[None, :]) * _chunk_beta(beta, bos, rows, valid, h, H,
                                                                                   BETA_SIGMOID)[None, :]
@@ -547,14 +549,14 @@ def _bwd_vside_kernel(v, beta, chunk_bos, chunk_eos, x_in, delta, states, dh, dd
 # gate, L2-norm and beta backward (_bwd_kside_gate_kernel). One fused program per chunk held every
 # [64, BK] operand at once: 255 registers, 2 programs per SM, latency-bound (kernels/NOTES.md).
 @triton.jit
-def _bwd_kside_chunk_kernel(k, beta, chunk_bos, chunk_eos, x_in, dw_in, daqk_in, dt_in, gcum, rnorm, db_part,
+def _bwd_kside_chunk_kernel(k, beta, chunk_bos, chunk_eos, x_in, dw_in, dt_in, gcum, rnorm, db_part,
                             H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                             BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr, SCORE_PREC: tl.constexpr):
     """Key side 1/3, per (chunk, head): dT += dW (Gamma K)^T (G and the row norms as the backward's prep
     left them in ``gcum`` / ``rnorm``), then the UT backward (T = X Diag(b), X = (I + Diag(b) R)^-1):
     its share of d b (``db_part`` slot 0), dA over dT in its scratch, and d(Gamma K) = T^T dW over
-    dW in its scratch. At SCORE_PREC="tf32" dA and dAqk are rounded to tf32 here, once, because step
-    2 reads their slabs in both orientations (see _bwd_kside_tile_kernel)."""
+    dW in its scratch. At SCORE_PREC="tf32" dA is rounded to tf32 here, once (dAqk by the value
+    side), because step 2 reads their slabs in both orientations (see _bwd_kside_tile_kernel)."""
     ROUND: tl.constexpr = SCORE_PREC == "tf32"
     c, h, _ = _program_split(1, H)
     c64 = c.to(tl.int64)
@@ -580,9 +582,6 @@ def _bwd_kside_chunk_kernel(k, beta, chunk_bos, chunk_eos, x_in, dw_in, daqk_in,
     T = X * bv[None, :]
     tl.debug_barrier()  # every thread has read dT before dA overwrites it
     tl.store(dt_in + sq + rows[:, None] * BT + cb[None, :], _to_tf32(dA, ROUND))
-    if ROUND:
-        aqk_tile = daqk_in + sq + rows[:, None] * BT + cb[None, :]
-        tl.store(aqk_tile, _to_tf32(tl.load(aqk_tile), ROUND))
     for kb in tl.range(0, K // BK):
         offs = rows[:, None] * (H * K) + (kb * BK + tl.arange(0, BK))[None, :]
         dkg = tl.dot(tl.trans(T), tl.load(dw_in + tok + offs, mask=m2, other=0.0), input_precision=PREC)
