@@ -267,6 +267,26 @@ def test_backend_dispatch(monkeypatch):
     assert len(calls) == 1 and rel(out32, torch_out) < 1e-5
 
 
+def test_auto_prefers_triton_only_where_it_was_measured_faster(monkeypatch):
+    """fla first, but triton first for a sequence of >= 64K tokens with <= 16 sequences x heads."""
+    monkeypatch.setattr(kda, "_BACKENDS", dict(kda._BACKENDS))
+    calls = []
+    for name in ("triton", "fla"):
+        register_kda_backend(name, lambda *a, name=name: calls.append(name) or (torch.zeros_like(a[2]), None))
+
+    def run(batch, seq_len, heads, cu_seqlens=None):
+        q, k, v, g, beta, _ = make_inputs(batch, seq_len, heads, 4, 4, seed=15)
+        chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens)
+        return calls.pop()
+
+    assert run(1, 16384, 16) == "fla"
+    assert run(1, 65536, 16) == "triton"
+    assert run(1, 65536, 17) == "fla"  # too many heads for the measured crossover
+    assert run(2, 65536, 8) == "triton"
+    assert run(1, 65536, 2, cu_seqlens=torch.tensor([0, 65000, 65536])) == "fla"  # longest document < 64K
+    assert run(1, 70000, 2, cu_seqlens=torch.tensor([0, 65536, 70000])) == "triton"
+
+
 # ----------------------------------------------------------------------------- errors
 def test_clear_errors_on_bad_inputs():
     q, k, v, g, beta, s0 = make_inputs(2, 10, 2, 4, 3, seed=14)

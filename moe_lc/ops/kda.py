@@ -39,8 +39,9 @@ restarts from the document's initial state (or zero) at every boundary.
 
 Backends: :func:`chunk_kda` dispatches on ``backend``; ``"torch"`` is the reference here,
 ``"triton"`` (moe_lc_kernels) and ``"fla"`` (flash-linear-attention) run on CUDA when installed,
-and ``"auto"`` picks the first of fla, triton, torch that supports the inputs (fla is measured
-faster than the Triton kernels on an H200 for now; see kernels/NOTES.md).
+and ``"auto"`` picks the first of fla, triton, torch that supports the inputs, triton first on
+sequences of 64K tokens and more with at most 16 (sequences x heads), where it is measured faster
+than fla on an H200 (docs/performance.md).
 Fast kernels plug in with :func:`register_kda_backend`.
 """
 
@@ -243,8 +244,28 @@ class KDABackend(Protocol):
 _BACKENDS: dict[str, tuple[KDABackend, Callable[[Tensor], bool]]] = {}
 # Names reserved for kernels that are planned but not shipped yet, and the order "auto" tries.
 _PLANNED_BACKENDS = ("triton", "fla")
-# fla first: on an H200 it is measured faster than the Triton kernels here (kernels/NOTES.md).
+# fla first, except on long sequences with few (sequences x heads): measured on one H200
+# (docs/performance.md, session 8), the Triton kernels beat fla 0.6.0 by 1.17-1.21x forward+backward
+# at B=1, H=16 and T = 64K / 256K, where their segmented state pass fills the device, and trail it
+# by 4-8% at T <= 16K, at H=64 and on packed short documents.
 _AUTO_ORDER = ("fla", "triton", "torch")
+_LONG_AUTO_ORDER = ("triton", "fla", "torch")
+TRITON_FIRST_MIN_TOKENS = 65536
+TRITON_FIRST_MAX_SEQUENCE_HEADS = 16
+
+
+def _auto_order(q: Tensor, cu_seqlens: Tensor | None) -> tuple[str, ...]:
+    """The order "auto" tries the backends in, from the measured crossover above."""
+    if not ("triton" in _BACKENDS and "fla" in _BACKENDS):
+        return _AUTO_ORDER
+    if cu_seqlens is None:
+        sequences, longest = q.shape[0], q.shape[1]
+    else:
+        lengths = cu_seqlens.detach().diff()
+        sequences, longest = lengths.numel(), int(lengths.max())
+    if longest >= TRITON_FIRST_MIN_TOKENS and sequences * q.shape[2] <= TRITON_FIRST_MAX_SEQUENCE_HEADS:
+        return _LONG_AUTO_ORDER
+    return _AUTO_ORDER
 
 
 def register_kda_backend(name: str, fn: KDABackend, supports: Callable[[Tensor], bool] | None = None) -> None:
@@ -263,9 +284,10 @@ def available_kda_backends() -> tuple[str, ...]:
     return tuple(_BACKENDS)
 
 
-def _resolve_backend(name: str, q: Tensor) -> KDABackend:
+def _resolve_backend(name: str, q: Tensor, cu_seqlens: Tensor | None = None) -> KDABackend:
     if name == "auto":
-        candidates = [n for n in _AUTO_ORDER if n in _BACKENDS] + [n for n in _BACKENDS if n not in _AUTO_ORDER]
+        order = _auto_order(q, cu_seqlens)
+        candidates = [n for n in order if n in _BACKENDS] + [n for n in _BACKENDS if n not in order]
         for candidate in candidates:
             fn, supports = _BACKENDS[candidate]
             if supports(q):
@@ -350,6 +372,6 @@ def chunk_kda(
     """
     _validate("chunk_kda", q, k, v, g, beta, initial_state, cu_seqlens)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    impl = _resolve_backend(backend, q)
+    impl = _resolve_backend(backend, q, cu_seqlens)
     out, final_state = impl(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     return out.to(q.dtype), final_state
