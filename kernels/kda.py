@@ -15,10 +15,15 @@ The plan then cuts every sequence into segments of ``segment_chunks`` chunks and
 3. every segment again from its true start state, writing outputs, all in parallel.
 This is the algebra of context parallelism (KCP) inside one device. Backward mirrors it with M^T.
 
-Memory: the forward saves the inputs, the segment start states and transitions (fp32) and, with
-``save_prep="inverse"`` (default), Aqk and the UT inverse X; never per-chunk states. The backward
-holds per-chunk states and state gradients (fp32 by default: 2 * T/64 * H * K * V * 4 bytes, 8.6 GB
-at T=256K, H=16, K=V=128) and [T, H, K] fp32 scratch only while one layer's backward runs.
+Memory: the forward saves the inputs, the segment start states and transitions (fp32), the row
+norms (8 bytes a row and head) and, with ``save_prep="inverse"`` (default), Aqk and the UT inverse
+X; never per-chunk states. The backward holds per-chunk states and state gradients (fp32 by
+default: 2 * T/64 * H * K * V * 4 bytes, 8.6 GB at T=256K, H=16, K=V=128), the in-chunk cumsum G
+(one fp32 [T, H, K], 2.1 GB there) and [T, H, K] fp32 scratch only while one layer's backward runs.
+
+Plans (chunk and segment tables) are cached per (lengths, device, segments) and uploaded in one
+pinned, non-blocking copy: a copy from pageable memory synchronised the stream on every call and
+left the GPU idle while the host launched the next kernels (0.6 ms of 2.7 at B=8,T=4K).
 """
 
 from __future__ import annotations
@@ -43,14 +48,16 @@ CHUNK = 64
 # 40.35 -> 36.01 at B=1,T=64K) or "all" (every prep output, ~1.4x; 16.53 / 34.90 ms).
 # ``bwd_states="bf16"`` (states and their gradients stored in bf16 for the backward): ~8% faster, but
 # d A_log 8.0e-3 from float64 on one H200 fuzz case (3.0e-3 with fp32), too close to the 1e-2 bar.
-# Kernels by prefix: ``prep`` elementwise prep, ``score`` forward tile-pair scores, ``kside`` / ``ktile``
-# / ``kgate`` the key-side backward's chunk, tile and gate kernels; ``*_stages``: software pipelining
-# of a loop's loads (``ktile_stages=3``: 10.99 -> 10.44 ms at B=8,T=4K).
-TUNING = dict(save_prep="inverse", norm_warps=4, norm_bk=32, prep_warps=4, prep_bk=32, prep_maxnreg=0, score_warps=1, score_bk=64,
-              inv_warps=2, wu_warps=4, state_warps=4, state_stages=1, state_bv=64, state_bwd_bv=64, bwd_states="fp32", state_prec="tf32",
-              bwd_prec="tf32", score_prec="tf32", vside_warps=4, vside_bk=64, vside_bv=64, vside_maxnreg=0, kside_warps=4,
-              kside_bk=16, kside_stages=1, ktile_warps=4, ktile_bk=64, ktile_maxnreg=168, ktile_stages=3, kgate_warps=4,
-              kgate_bk=32)
+# Kernels by prefix: ``norm`` row norms, ``prep`` elementwise prep, ``score`` forward tile-pair
+# scores, ``state`` the state passes (``state_bwd_bv``: the backward pass's value block), ``vside``
+# the value-side backward (``vside_bk``: key block per program), ``kside`` / ``ktile`` / ``kgate`` the
+# key-side backward's chunk, tile and gate kernels; ``*_stages``: software pipelining of a loop's
+# loads (``ktile_stages=3``: 10.99 -> 10.44 ms at B=8,T=4K).
+TUNING = dict(save_prep="inverse", norm_warps=4, norm_bk=32, prep_warps=4, prep_bk=32, prep_maxnreg=0,
+              score_warps=1, score_bk=64, inv_warps=2, wu_warps=4, state_warps=4, state_stages=1, state_bv=64,
+              state_bwd_bv=64, bwd_states="fp32", state_prec="tf32", bwd_prec="tf32", score_prec="tf32",
+              vside_warps=4, vside_bk=64, vside_bv=64, vside_maxnreg=0, kside_warps=4, kside_bk=16, kside_stages=1,
+              ktile_warps=4, ktile_bk=64, ktile_maxnreg=168, ktile_stages=3, kgate_warps=4, kgate_bk=32)
 _PRECISIONS = ("tf32", "tf32x3", "ieee")
 _TEXT_TUNING = {"save_prep": ("none", "inverse", "all"), "bwd_states": ("fp32", "bf16"),
                 "state_prec": ("tf32", "bf16"), "bwd_prec": _PRECISIONS, "score_prec": _PRECISIONS}

@@ -10,8 +10,9 @@ log-decay, Gamma = exp(G), b = beta and q pre-scaled by ``scale``:
     Delta = U - W S,   O = (Gamma Q) S + Aqk Delta,   S' = Diag(Gamma_C) S + (Gamma_C / Gamma K)^T Delta
 
 Kernels (one launch each):
-- ``_prep_blocked_kernel`` per (chunk, head): raw q/k/gate -> L2 norm, gate, cumsum, Gamma Q,
-                      Gamma K, Gamma_C / Gamma K, Gamma_C; keeps G and the row norms for the scores.
+- ``_row_norms_kernel`` per (chunk, head): 1 / |q| and 1 / |k| of every row (kept for the backward).
+- ``_prep_blocked_kernel`` per (chunk, head, key block): raw q/k/gate -> gate, cumsum G (kept in
+                      log2 units for the score kernels), Gamma Q, Gamma K, Gamma_C / Gamma K, Gamma_C.
 - ``_prep_scores_kernel`` per (chunk, head, 16x16 tile pair i >= j): R_ij and Aqk_ij over all K.
 - ``_ut_inverse_kernel`` per (chunk, head): X from Diag(b) R by 16x16 blocks.
 - ``_wu_kernel``      per (chunk, head): W and U from X, beta, Gamma K and V.
@@ -28,7 +29,8 @@ Kernels (one launch each):
                       key side (UT backward; score-tile products; cumsum, gate, L2-norm and beta).
 Work that needs all 64 rows of a chunk at once (cumsums, the UT transform) stays in per-chunk
 programs; the score products run one 16-row tile per program, so few registers and many programs
-per SM hide the latency of the small products (kernels/NOTES.md, session 7).
+per SM hide the latency of the small products (kernels/NOTES.md, session 7). Grids are 1-D with the
+programs of one chunk adjacent (``_program_split``), so the rows they share come from L2.
 
 The bounded gate is what makes the score matrices one dense matmul per 16-token tile: for key tile
 b we factor exp(G_i - G_j) = exp(G_i - rho_b) * exp(rho_b - G_j), rho_b the log-decay at the tile's

@@ -281,6 +281,22 @@ def test_plan_splits_documents_into_chunks_and_segments():
     assert plan.segmented
 
 
+def test_plans_are_cached_per_lengths_and_bounded(monkeypatch):
+    from moe_lc_kernels import kda as kda_mod
+
+    monkeypatch.setattr(kda_mod, "_PLANS", {})
+    cpu = torch.device("cpu")
+    first = kda_mod.cached_plan([3, 130], cpu, 2)
+    assert kda_mod.cached_plan([3, 130], cpu, 2) is first
+    other = kda_mod.cached_plan([3, 130], cpu, None)
+    assert other is not first and not other.segmented and first.segmented
+    assert other.chunk_eos.tolist() == build_plan([3, 130], cpu, None).chunk_eos.tolist()
+    for n in range(kda_mod._PLAN_CACHE_SIZE + 5):
+        kda_mod.cached_plan([n + 1], cpu, None)
+    assert len(kda_mod._PLANS) == kda_mod._PLAN_CACHE_SIZE
+    assert (tuple([3, 130]), "cpu", 2) not in kda_mod._PLANS  # the least recently used went first
+
+
 def test_clear_errors():
     x, _ = raw_inputs(1, 20, 1, 16, 16)
     args = [x[n] for n in ("q", "k", "v", "z", "beta", "A_log", "dt_bias")]
