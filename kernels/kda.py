@@ -513,13 +513,13 @@ def _check(name: str, q: Tensor, k: Tensor, v: Tensor, gz: Tensor, beta: Tensor,
 
 def _run(q, k, v, gz, beta, A_log, dt_bias, initial_state, output_final_state, cu_seqlens, flags,
          segment_chunks, lens):
-    batch, seq_len, heads, key_dim = q.shape
+    batch, seq_len, heads, _ = q.shape
     value_dim = v.shape[-1]
     if segment_chunks == 0:
         segment_chunks = None
     elif segment_chunks is None:
         segment_chunks = auto_segment_chunks([-(-n // CHUNK) for n in lens], heads,
-                                             value_dim // min(64, key_dim, value_dim), q.device)
+                                             value_dim // _config(q, v)["BV"], q.device)
     plan = cached_plan(lens, q.device, segment_chunks)
     flat = [t.reshape(batch * seq_len, *t.shape[2:]).contiguous() for t in (q, k, v, gz, beta)]
     o, final = _ChunkKDAFunction.apply(*flat, A_log, dt_bias, initial_state, plan, flags)
