@@ -49,8 +49,8 @@ from triton.language.extra import libdevice
 
 TILE = tl.constexpr(16)
 NORM_EPS = tl.constexpr(1e-6)
-LOG2E = tl.constexpr(1.4426950408889634)
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # G in log2 units: exp(G) = exp2(G log2(e)), one instruction
+LOG2E = tl.constexpr(1.4426950408889634)  # G in log2 units: exp(G) = exp2(G log2(e)), one instruction
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # Triton's CPU interpreter
 
 
 # ----------------------------------------------------------------------------- shared pieces
