@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from moe_lc.ops.documents import host_bounds
+
 CHUNK = 64
 # Launch choices (benchmarked in kernels/NOTES.md); MOE_LC_KDA_TUNING="key=value,..." overrides.
 # Backward products: ``score_prec`` for the key-tile score gradients, whose contributions to dG
@@ -501,7 +503,7 @@ def _check(name: str, q: Tensor, k: Tensor, v: Tensor, gz: Tensor, beta: Tensor,
         if batch != 1:
             raise ValueError(f"{name}: with cu_seqlens the documents are packed in one row, so B must be 1 "
                              f"(got B={batch})")
-        bounds = cu_seqlens.detach().cpu().tolist()
+        bounds = host_bounds(cu_seqlens)
         if bounds[0] != 0 or bounds[-1] != seq_len or any(b <= a for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"{name}: cu_seqlens must rise strictly from 0 to T={seq_len}, got {bounds}")
         lens = [b - a for a, b in zip(bounds, bounds[1:])]

@@ -19,6 +19,7 @@ from torch import nn
 from moe_lc.config import MLAConfig
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.precision import upcast
+from moe_lc.ops.documents import host_bounds
 
 
 def causal_document_attention(
@@ -35,7 +36,7 @@ def causal_document_attention(
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     if q.shape[0] != 1:
         raise ValueError(f"packed documents (cu_seqlens) need batch size 1, got {q.shape[0]}")
-    bounds = cu_seqlens.tolist()
+    bounds = host_bounds(cu_seqlens)
     outs = [
         F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=scale)
         for s, e in zip(bounds[:-1], bounds[1:])

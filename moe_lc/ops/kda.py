@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moe_lc.ops._kda_chunk import chunk_kda_torch
+from moe_lc.ops.documents import host_bounds
 
 __all__ = [
     "kda_gate",
@@ -141,7 +142,7 @@ def _validate(
         if batch != 1:
             raise ValueError(f"{name}: with cu_seqlens the documents are packed in one row, so B must be 1 "
                              f"(got B={batch}); flatten the batch into [1, B*T, ...]")
-        bounds = cu_seqlens.detach().cpu().tolist()
+        bounds = host_bounds(cu_seqlens)
         if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != seq_len:
             raise ValueError(
                 f"{name}: cu_seqlens must start at 0 and end at T={seq_len}, got {bounds[:3]}...{bounds[-2:]}"
@@ -212,7 +213,7 @@ def recurrent_kda(
     if cu_seqlens is None:
         out, final = _recurrence(qc, kc, vc, gc, bc, scale, states)
     else:
-        bounds = cu_seqlens.detach().cpu().tolist()
+        bounds = host_bounds(cu_seqlens)
         pieces, finals = [], []
         for n, (start, end) in enumerate(zip(bounds, bounds[1:])):
             doc = [t[:, start:end] for t in (qc, kc, vc, gc, bc)]
@@ -261,8 +262,8 @@ def _auto_order(q: Tensor, cu_seqlens: Tensor | None) -> tuple[str, ...]:
     if cu_seqlens is None:
         sequences, longest = q.shape[0], q.shape[1]
     else:
-        lengths = cu_seqlens.detach().diff()
-        sequences, longest = lengths.numel(), int(lengths.max())
+        bounds = host_bounds(cu_seqlens)
+        sequences, longest = len(bounds) - 1, max(b - a for a, b in zip(bounds, bounds[1:]))
     if longest >= TRITON_FIRST_MIN_TOKENS and sequences * q.shape[2] <= TRITON_FIRST_MAX_SEQUENCE_HEADS:
         return _LONG_AUTO_ORDER
     return _AUTO_ORDER

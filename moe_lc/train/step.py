@@ -17,9 +17,18 @@ from typing import Sequence
 
 import torch
 
+from moe_lc.ops.documents import remember_host_bounds
 from moe_lc.optim import OptimConfig, apply_lr
 from moe_lc.train.model_setup import ModelState
 from moe_lc.train.runtime import Runtime
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor on the device. A copy from pageable memory waits for all queued GPU work (the
+    GPU would drain before every micro-batch), so CUDA copies go through pinned memory."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 @dataclass
@@ -50,11 +59,13 @@ def train_step(
     last = len(micro_batches) - 1
     for i, batch in enumerate(micro_batches):
         state.set_gradient_sync(i == last)
+        cu_seqlens = _to_device(batch.cu_seqlens, device)
+        remember_host_bounds(cu_seqlens, batch.cu_seqlens.tolist())  # no layer copies it back
         with autocast():
             out = model(
-                batch.input_ids.to(device, non_blocking=True),
-                labels=batch.labels.to(device, non_blocking=True),
-                cu_seqlens=batch.cu_seqlens.to(device, non_blocking=True),
+                _to_device(batch.input_ids, device),
+                labels=_to_device(batch.labels, device),
+                cu_seqlens=cu_seqlens,
                 return_logits=False,
             )
         n = batch.num_label_tokens

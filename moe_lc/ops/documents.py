@@ -1,0 +1,33 @@
+"""Host copies of packed-document boundaries (``cu_seqlens``), kept per tensor.
+
+Several layers need the boundaries on the host: the KDA checks and kernel plans, attention split
+by documents. Copying a device tensor back waits for all queued GPU work, so one copy per layer
+and call stops the host from running ahead of the GPU. The trainer hands over the host copy it
+already has (:func:`remember_host_bounds`); otherwise the first call copies and later calls reuse
+the copy while the tensor is the same object, unmodified.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from torch import Tensor
+
+_latest: tuple | None = None  # (weak reference to the tensor, its version counter, the bounds)
+
+
+def remember_host_bounds(cu_seqlens: Tensor, bounds: list[int]) -> None:
+    """Record ``bounds`` (``cu_seqlens`` as a list of ints) as the host copy of ``cu_seqlens``."""
+    global _latest
+    _latest = (weakref.ref(cu_seqlens), cu_seqlens._version, list(bounds))
+
+
+def host_bounds(cu_seqlens: Tensor) -> list[int]:
+    """``cu_seqlens.tolist()``, without a device copy when the same unmodified tensor was seen last."""
+    if _latest is not None:
+        ref, version, bounds = _latest
+        if ref() is cu_seqlens and cu_seqlens._version == version:
+            return list(bounds)
+    bounds = cu_seqlens.detach().cpu().tolist()
+    remember_host_bounds(cu_seqlens, bounds)
+    return bounds
