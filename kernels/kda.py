@@ -43,7 +43,9 @@ CHUNK = 64
 # cancel in pairs (at "tf32" the kernel rounds their operands itself so that the pairs stay equal),
 # ``bwd_prec`` for all the others. ``*_maxnreg``: a register cap per thread (0: the compiler's).
 # ``state_prec``: the backward's state passes multiply in tf32, or in the inputs' dtype ("bf16":
-# ~4% faster, but d beta up to 3.5x further from float64 on the H200 fuzz, measured up to 9.2e-3).
+# ~4% faster, but d beta up to 3.5x further from float64 on the H200 fuzz, measured up to 9.2e-3),
+# or "bf16x2": bf16 products with the fp32 state-side operand as two bf16 halves (16 mantissa bits,
+# tf32 has 10; not yet timed or fuzzed on a GPU).
 # ``save_prep``: what the forward keeps for the backward besides q, k, v, z: "none" (recompute the
 # prep), "inverse" (the UT inverse and Aqk, ~0.4x the inputs' bytes, the same trade as fla's
 # default: only the prep's elementwise part is recomputed; measured 18.99 -> 17.50 ms at B=8,T=4K,
@@ -62,7 +64,7 @@ TUNING = dict(save_prep="inverse", norm_warps=4, norm_bk=32, prep_warps=4, prep_
               ktile_warps=4, ktile_bk=64, ktile_maxnreg=168, ktile_stages=3, kgate_warps=4, kgate_bk=32)
 _PRECISIONS = ("tf32", "tf32x3", "ieee")
 _TEXT_TUNING = {"save_prep": ("none", "inverse", "all"), "bwd_states": ("fp32", "bf16"),
-                "state_prec": ("tf32", "bf16"), "bwd_prec": _PRECISIONS, "score_prec": _PRECISIONS}
+                "state_prec": ("tf32", "bf16", "bf16x2"), "bwd_prec": _PRECISIONS, "score_prec": _PRECISIONS}
 
 
 def parse_tuning(text: str) -> dict:
@@ -258,14 +260,16 @@ def _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan: _Plan, flags: _Flags, cfg
     return (w, u, qg, kend, aqk, gc, x), gcum, rnorm
 
 
-def _state_operand(w: Tensor, backward: bool):
-    """Operand dtype of the state-pass products: the intermediates' dtype, or fp32 (tf32 products)
-    in the backward's passes with ``state_prec="tf32"``."""
+def _state_operands(w: Tensor, backward: bool) -> dict:
+    """``OPD`` and ``SPLIT`` of the state-pass products: the intermediates' dtype; in the backward's
+    passes fp32 (tf32 products) with ``state_prec="tf32"``, or bf16 with the fp32 state-side operand
+    split in two bf16 halves with ``"bf16x2"``."""
     import triton.language as tl  # here, not at import: moe_lc_kernels imports without Triton
 
-    if w.dtype == torch.float32 or (backward and TUNING["state_prec"] == "tf32"):
-        return tl.float32
-    return tl.bfloat16
+    prec = TUNING["state_prec"] if backward and w.dtype != torch.float32 else "inputs"
+    if w.dtype == torch.float32 or prec == "tf32":
+        return dict(OPD=tl.float32, SPLIT=False)
+    return dict(OPD=tl.bfloat16, SPLIT=prec == "bf16x2")
 
 
 def _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, *, init, transition, out=None, states=None, delta=None):
@@ -283,7 +287,7 @@ def _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, *, init, transition, out=
         plan.seg_chunk0, plan.seg_nchunks, plan.seg_bos, plan.seg_eos, heads,
         K=key_dim, V=value_dim, BV=bv, BT=CHUNK, V_END=v_end, HAS_INIT=init is not None,
         TRANSITION=transition, STORE_OUTPUT=out is not None, STORE_STATES=states is not None,
-        DOT_PREC=cfg["dot"], OPD=_state_operand(w, states is not None),
+        DOT_PREC=cfg["dot"], **_state_operands(w, states is not None),
         num_warps=TUNING["state_warps"], num_stages=TUNING["state_stages"],
     )
     return seg_end
@@ -441,7 +445,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
         dfinal = None if dfinal is None else dfinal.float().contiguous()
         grid = (value_dim // bv, plan.num_segments * heads)
         common = dict(K=key_dim, V=value_dim, BV=bv, BT=CHUNK, DOT_PREC=cfg["dot"],
-                      OPD=_state_operand(w, True), num_warps=TUNING["state_warps"],
+                      **_state_operands(w, True), num_warps=TUNING["state_warps"],
                       num_stages=TUNING["state_stages"])
         if plan.segmented:
             dpart = torch.empty_like(dstart)

@@ -167,6 +167,28 @@ def _to_tf32(x, ROUND: tl.constexpr):
 
 
 @triton.jit
+def _state_halves(b, OPD: tl.constexpr, SPLIT: tl.constexpr):
+    """An fp32 state-side operand (a state, a state gradient, Delta) for the state-pass products: b as
+    OPD, or with SPLIT as two bf16 halves b = hi + lo that keep 16 of its mantissa bits (tf32: 10)
+    in products at the bf16 rate. Without SPLIT the second half is the first (unused)."""
+    hi = b.to(OPD)
+    if SPLIT:
+        lo = (b - hi.to(tl.float32)).to(OPD)
+    else:
+        lo = hi
+    return hi, lo
+
+
+@triton.jit
+def _dot_halves(a, hi, lo, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """a @ (hi + lo) from _state_halves."""
+    if SPLIT:
+        return tl.dot(a, lo, tl.dot(a, hi))
+    else:
+        return tl.dot(a, hi, input_precision=DOT_PREC)
+
+
+@triton.jit
 def _unit_lower_inverse_tile(N, PREC: tl.constexpr):
     """(I + N)^-1 of a strictly lower 16x16 tile: N^16 = 0, so it is sum_k (-N)^k =
     (I - N)(I + N^2)(I + N^4)(I + N^8), seven small products and no row-by-row reductions (19%
@@ -373,12 +395,13 @@ def _state_fwd_kernel(w, u, qg, kend, aqk, gc, o, states, delta, seg_init, seg_e
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                       V_END: tl.constexpr, HAS_INIT: tl.constexpr, TRANSITION: tl.constexpr,
                       STORE_OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr, DOT_PREC: tl.constexpr,
-                      OPD: tl.constexpr):
+                      OPD: tl.constexpr, SPLIT: tl.constexpr):
     """One program: columns [pv*BV, pv*BV+BV) of one segment's state for one head, chunk by chunk.
 
     Column blocks past V (only with TRANSITION) carry identity columns with zero values: they end
     as the transition M of the segment. ``seg_end`` has V_END = V (+ K with TRANSITION) columns.
-    The state is fp32; its products take it (and their other operands) as OPD. With STORE_STATES
+    The state is fp32; its products take it (and their other operands) as OPD (SPLIT: see
+    _dot_state). With STORE_STATES
     (the backward's pass) each chunk's state and its corrected values Delta = U - W S are kept.
     """
     pv = tl.program_id(0)
@@ -408,19 +431,19 @@ def _state_fwd_kernel(w, u, qg, kend, aqk, gc, o, states, delta, seg_init, seg_e
             tl.store(states + ((c * H + h) * K + rk[:, None]) * V + col[None, :], S.to(states.dtype.element_ty))
         Wt = tl.load(w + (rows[:, None] * H + h) * K + rk[None, :], mask=m2, other=0.0).to(OPD)
         Ut = tl.load(u + (rows[:, None] * H + h) * V + col[None, :], mask=m2 & is_value, other=0.0)
-        Sb = S.to(OPD)
-        D = Ut.to(tl.float32) - tl.dot(Wt, Sb, input_precision=DOT_PREC)
+        Sh, Sl = _state_halves(S, OPD, SPLIT)
+        D = Ut.to(tl.float32) - _dot_halves(Wt, Sh, Sl, SPLIT, DOT_PREC)
         if STORE_STATES:
             tl.store(delta + (rows[:, None] * H + h) * V + col[None, :], D.to(delta.dtype.element_ty), mask=m2)
-        Db = D.to(OPD)
+        Dh, Dl = _state_halves(D, OPD, SPLIT)
         if STORE_OUTPUT:
             Qt = tl.load(qg + (rows[:, None] * H + h) * K + rk[None, :], mask=m2, other=0.0).to(OPD)
             At = tl.load(aqk + (rows[:, None] * H + h) * BT + cb[None, :], mask=m2, other=0.0).to(OPD)
-            Ot = tl.dot(Qt, Sb, input_precision=DOT_PREC) + tl.dot(At, Db, input_precision=DOT_PREC)
+            Ot = _dot_halves(Qt, Sh, Sl, SPLIT, DOT_PREC) + _dot_halves(At, Dh, Dl, SPLIT, DOT_PREC)
             tl.store(o + (rows[:, None] * H + h) * V + col[None, :], Ot.to(o.dtype.element_ty), mask=m2)
         Kt = tl.load(kend + (rows[:, None] * H + h) * K + rk[None, :], mask=m2, other=0.0).to(OPD)
         gct = tl.load(gc + (c * H + h) * K + rk)
-        S = S * gct[:, None] + tl.dot(tl.trans(Kt), Db, input_precision=DOT_PREC)
+        S = S * gct[:, None] + _dot_halves(tl.trans(Kt), Dh, Dl, SPLIT, DOT_PREC)
     tl.store(seg_end + ((seg.to(tl.int64) * H + h) * K + rk[:, None]) * V_END + (pv * BV + cv)[None, :], S)
 
 
@@ -430,12 +453,12 @@ def _state_bwd_kernel(qg, w, kend, aqk, gc, do, dh, ddelta, seg_init, seg_start_
                       seg_chunk0, seg_nchunks, seg_bos, seg_eos, H,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                       HAS_INIT: tl.constexpr, STORE: tl.constexpr, DOT_PREC: tl.constexpr,
-                      OPD: tl.constexpr):
+                      OPD: tl.constexpr, SPLIT: tl.constexpr):
     """Reverse pass over one segment: dS (gradient of the state after a chunk), chunk by chunk.
 
     dDelta = Aqk^T dO + Kend dS;  dS_before = Diag(Gamma_C) dS + Qg^T dO - W^T dDelta.
     With STORE it writes dS after every chunk (``dh``) and dDelta; at the end dS at the segment start.
-    Products take dS, dDelta and their other operands as OPD.
+    Products take dS, dDelta and their other operands as OPD (SPLIT: see _dot_state).
     """
     pv = tl.program_id(0)
     sh = tl.program_id(1)
@@ -461,14 +484,16 @@ def _state_bwd_kernel(qg, w, kend, aqk, gc, do, dh, ddelta, seg_init, seg_start_
         At = tl.load(aqk + (rows[:, None] * H + h) * BT + cb[None, :], mask=m2, other=0.0).to(OPD)
         Kt = tl.load(kend + (rows[:, None] * H + h) * K + rk[None, :], mask=m2, other=0.0).to(OPD)
         dOt = tl.load(do + (rows[:, None] * H + h) * V + col[None, :], mask=m2, other=0.0).to(OPD)
-        dD = tl.dot(tl.trans(At), dOt, input_precision=DOT_PREC) + tl.dot(Kt, dS.to(OPD), input_precision=DOT_PREC)
+        dSh, dSl = _state_halves(dS, OPD, SPLIT)
+        dD = tl.dot(tl.trans(At), dOt, input_precision=DOT_PREC) + _dot_halves(Kt, dSh, dSl, SPLIT, DOT_PREC)
         if STORE:
             tl.store(ddelta + (rows[:, None] * H + h) * V + col[None, :], dD.to(ddelta.dtype.element_ty), mask=m2)
+        dDh, dDl = _state_halves(dD, OPD, SPLIT)
         Qt = tl.load(qg + (rows[:, None] * H + h) * K + rk[None, :], mask=m2, other=0.0).to(OPD)
         Wt = tl.load(w + (rows[:, None] * H + h) * K + rk[None, :], mask=m2, other=0.0).to(OPD)
         gct = tl.load(gc + (c * H + h) * K + rk)
         dS = (dS * gct[:, None] + tl.dot(tl.trans(Qt), dOt, input_precision=DOT_PREC)
-              - tl.dot(tl.trans(Wt), dD.to(OPD), input_precision=DOT_PREC))
+              - _dot_halves(tl.trans(Wt), dDh, dDl, SPLIT, DOT_PREC))
     tl.store(seg_start_grad + ((seg.to(tl.int64) * H + h) * K + rk[:, None]) * V + col[None, :], dS)
 
 

@@ -239,6 +239,56 @@ def test_tf32_score_products_with_matched_rounding_under_emulation(emulated_tf32
     assert unmatched["dt_bias"] > 10 * matched["dt_bias"] and unmatched["z"] > 3 * matched["z"], (matched, unmatched)
 
 
+@pytest.fixture
+def exact_bf16_dots(monkeypatch):
+    """Triton's interpreter multiplies the raw bits of bf16 dot operands (a [64, 32] x [32, 64]
+    product comes out ~5e10 off); widen them to fp32 first, so bf16 kernel paths run on the CPU
+    (its fp32 -> bf16 conversions truncate, where the GPU rounds to nearest)."""
+    if DEVICE != "cpu":
+        pytest.skip("patches Triton's CPU interpreter")
+    import triton.runtime.interpreter as interp
+
+    exact_dot = interp.InterpreterBuilder.create_dot
+
+    def widen(h):
+        if h.dtype.scalar.is_bf16():
+            return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return h
+
+    def create_dot(self, a, b, acc, input_precision, max_num_imprecise_acc):
+        return exact_dot(self, widen(a), widen(b), acc, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(interp.InterpreterBuilder, "create_dot", create_dot)
+
+
+def test_split_bf16_state_products_recover_the_state_precision(exact_bf16_dots, monkeypatch):
+    """state_prec="bf16x2": the backward's state passes multiply bf16 halves hi + lo of the fp32
+    state-side operand. Against the fp32 state passes (exact in the interpreter), its gradients
+    must be far closer than those of plain bf16 products, which round that operand to 8 bits."""
+    from moe_lc_kernels import kda as kda_mod
+
+    x, h0 = raw_inputs(1, 200, 2, 32, 32, num_states=1, seed=3)
+    xb = {n: t.detach().to(torch.bfloat16).requires_grad_() for n, t in x.items()}
+    h0 = h0.detach().requires_grad_()
+    params = [*xb.values(), h0]
+
+    def grads(state_prec: str) -> list[torch.Tensor]:
+        monkeypatch.setitem(kda_mod.TUNING, "state_prec", state_prec)
+        out, final = chunk_kda_fused(*(xb[n] for n in ("q", "k", "v", "z", "beta", "A_log", "dt_bias")),
+                                     initial_state=h0, output_final_state=True)
+        gen = torch.Generator().manual_seed(5)
+        loss = (out.float() * torch.randn(out.shape, generator=gen)).sum() + (final * torch.randn(final.shape,
+                                                                                               generator=gen)).sum()
+        return [g.float() for g in torch.autograd.grad(loss, params)]
+
+    exact = grads("tf32")
+    names = [*xb, "h0"]
+    plain = {n: rel(g, e) for n, g, e in zip(names, grads("bf16"), exact)}
+    split = {n: rel(g, e) for n, g, e in zip(names, grads("bf16x2"), exact)}
+    assert max(plain.values()) > 1e-3, plain  # bf16 state products do lose precision here
+    assert max(split.values()) < max(plain.values()) / 10, (split, plain)
+
+
 def test_backend_signature_with_given_gate_and_unequal_dims():
     """chunk_kda_triton takes normalised q/k, a precomputed bounded g and beta (K=16 != V=32)."""
     gen = torch.Generator().manual_seed(3)
@@ -337,7 +387,7 @@ def test_every_kernel_compiles_for_sm90_within_shared_memory():
     import json
 
     rows = {r["kernel"]: r for r in map(json.loads, done.stdout.splitlines())}
-    assert set(rows) == {"norms", "prep", "scores", "inverse", "wu", "state_fwd", "state_bwd", "vside", "kside", "ktile", "kgate"}
+    assert set(rows) == {"norms", "prep", "scores", "inverse", "wu", "state_fwd", "state_rec", "state_bwd", "vside", "kside", "ktile", "kgate"}
     for name, r in rows.items():
         assert r["shared_kb"] <= 227 and r["regs"] <= 255, (name, r)
     assert rows["kside"]["seconds"] < 120, rows["kside"]  # fully unrolled key blocks took 224 s

@@ -41,6 +41,8 @@ def launches(tuning: dict) -> dict:
     dims = dict(K=128, BT=64)
     params = {"A_log", "dt_bias"}
     states = {"states", "dh", "ddelta", "delta"} if tuning["bwd_states"] == "fp32" else set()
+    bwd_operands = dict(OPD=tl.float32 if tuning["state_prec"] == "tf32" else tl.bfloat16,
+                        SPLIT=tuning["state_prec"] == "bf16x2")
     return {
         "norms": (kt._row_norms_kernel, dict(K=128, BT=64, BK=tuning["norm_bk"], L2NORM=True), {"rnorm"},
                   tuning["norm_warps"], 1, 0),
@@ -52,12 +54,16 @@ def launches(tuning: dict) -> dict:
         "inverse": (kt._ut_inverse_kernel, dict(BT=64, INV_PREC="ieee"), {"x"}, tuning["inv_warps"], 1, 0),
         "wu": (kt._wu_kernel, dict(dims, V=128, BC=64, BETA_SIGMOID=True, DOT_PREC="tf32"), {"x"},
                tuning["wu_warps"], 2, 0),
-        "state_fwd": (kt._state_fwd_kernel, dict(dims, V=128, BV=tuning["state_bv"], V_END=128, HAS_INIT=True, TRANSITION=False,
-                                                 STORE_OUTPUT=True, STORE_STATES=False, DOT_PREC="tf32",
-                                                 OPD=tl.bfloat16),
+        "state_fwd": (kt._state_fwd_kernel, dict(dims, V=128, BV=tuning["state_bv"], V_END=128, HAS_INIT=True,
+                                                 TRANSITION=False, STORE_OUTPUT=True, STORE_STATES=False,
+                                                 DOT_PREC="tf32", OPD=tl.bfloat16, SPLIT=False),
                       {"gc", "states", "seg_init", "seg_end"}, tuning["state_warps"], tuning["state_stages"], 0),
-        "state_bwd": (kt._state_bwd_kernel, dict(dims, V=128, BV=tuning["state_bwd_bv"], HAS_INIT=True, STORE=True, DOT_PREC="tf32",
-                                                 OPD=tl.float32 if tuning["state_prec"] == "tf32" else tl.bfloat16),
+        "state_rec": (kt._state_fwd_kernel, dict(dims, V=128, BV=tuning["state_bv"], V_END=128, HAS_INIT=True,
+                                                 TRANSITION=False, STORE_OUTPUT=False, STORE_STATES=True,
+                                                 DOT_PREC="tf32", **bwd_operands),
+                      {"gc", "seg_init", "seg_end"} | states, tuning["state_warps"], tuning["state_stages"], 0),
+        "state_bwd": (kt._state_bwd_kernel, dict(dims, V=128, BV=tuning["state_bwd_bv"], HAS_INIT=True, STORE=True,
+                                                 DOT_PREC="tf32", **bwd_operands),
                       {"gc", "seg_init", "seg_start_grad"} | states, tuning["state_warps"], tuning["state_stages"], 0),
         "vside": (kt._bwd_vside_kernel, dict(dims, H=16, V=128, BK=tuning["vside_bk"], BV=tuning["vside_bv"],
                                              BETA_SIGMOID=True, PREC=tuning["bwd_prec"],
@@ -133,7 +139,7 @@ def compile_one(fn, constexprs: dict, fp32: set, warps: int, stages: int, maxnre
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--kernels", default="norms,prep,scores,inverse,wu,state_fwd,state_bwd,vside,kside,ktile,kgate")
+    p.add_argument("--kernels", default="norms,prep,scores,inverse,wu,state_fwd,state_rec,state_bwd,vside,kside,ktile,kgate")
     p.add_argument("--tuning", default="", help="TUNING overrides, 'key=value,...'")
     p.add_argument("--json", action="store_true", help="one JSON object per kernel instead of the table")
     args = p.parse_args(argv)
