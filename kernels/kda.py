@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from moe_lc.ops.documents import host_bounds
+from moe_lc.ops.documents import host_bounds, upload
 
 CHUNK = 64
 # Launch choices (benchmarked in kernels/NOTES.md); MOE_LC_KDA_TUNING="key=value,..." overrides.
@@ -149,14 +149,10 @@ def build_plan(seq_lens: list[int], device: torch.device, segment_chunks: int | 
         seq_nseg.append(len(seg_chunk0) - seq_seg0[-1])
         start += length
 
-    # One host buffer, one copy: a copy from pageable memory would wait for all queued GPU work
-    # (a stream sync) and leave the GPU idle while the host launches the next kernels.
+    # One host buffer per dtype, one upload each (``upload``: no wait for queued GPU work)
     tables = (chunk_bos, chunk_eos, seg_chunk0, seg_nchunks, seg_bos, seg_eos, seq_seg0, seq_nseg)
     host = torch.tensor([x for table in tables for x in table], dtype=torch.int32)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    flat = host.to(device, non_blocking=True)
-    ints = torch.split(flat, [len(table) for table in tables])
+    ints = torch.split(upload(host, device), [len(table) for table in tables])
 
     first = torch.tensor(seq_seg0, dtype=torch.long)
     nseg = torch.tensor(seq_nseg, dtype=torch.long)
@@ -166,10 +162,7 @@ def build_plan(seq_lens: list[int], device: torch.device, segment_chunks: int | 
         seqs = torch.nonzero(nseg > j).flatten()
         steps.append((seqs, first[seqs] + j))
     longs = [t for step in steps for t in step] + [last, first]
-    host = torch.cat(longs)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    on_device = torch.split(host.to(device, non_blocking=True), [len(t) for t in longs])
+    on_device = torch.split(upload(torch.cat(longs), device), [len(t) for t in longs])
     return _Plan(
         chunk_bos=ints[0], chunk_eos=ints[1], seg_chunk0=ints[2], seg_nchunks=ints[3], seg_bos=ints[4],
         seg_eos=ints[5], seq_seg0=ints[6], seq_nseg=ints[7],
@@ -266,10 +259,9 @@ def _state_operands(w: Tensor, backward: bool) -> dict:
     split in two bf16 halves with ``"bf16x2"``."""
     import triton.language as tl  # here, not at import: moe_lc_kernels imports without Triton
 
-    prec = TUNING["state_prec"] if backward and w.dtype != torch.float32 else "inputs"
-    if w.dtype == torch.float32 or prec == "tf32":
+    if w.dtype == torch.float32 or (backward and TUNING["state_prec"] == "tf32"):
         return dict(OPD=tl.float32, SPLIT=False)
-    return dict(OPD=tl.bfloat16, SPLIT=prec == "bf16x2")
+    return dict(OPD=tl.bfloat16, SPLIT=backward and TUNING["state_prec"] == "bf16x2")
 
 
 def _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, *, init, transition, out=None, states=None, delta=None):

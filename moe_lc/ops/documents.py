@@ -1,4 +1,5 @@
-"""Host copies of packed-document boundaries (``cu_seqlens``), kept per tensor.
+"""Host copies of packed-document boundaries (``cu_seqlens``), kept per tensor, and uploads of
+host tables and batches that do not wait for the GPU.
 
 Several layers need the boundaries on the host: the KDA checks and kernel plans, attention split
 by documents. Copying a device tensor back waits for all queued GPU work, so one copy per layer
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import weakref
 
+import torch
 from torch import Tensor
 
 _latest: tuple | None = None  # (weak reference to the tensor, its version counter, the bounds)
@@ -31,3 +33,12 @@ def host_bounds(cu_seqlens: Tensor) -> list[int]:
     bounds = cu_seqlens.detach().cpu().tolist()
     remember_host_bounds(cu_seqlens, bounds)
     return bounds
+
+
+def upload(host: Tensor, device: torch.device) -> Tensor:
+    """``host`` on ``device``. A CUDA copy from pageable memory waits for all queued GPU work (a
+    stream sync: the GPU drains while the host prepares what comes next), so CUDA copies go
+    through pinned memory and return without waiting."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)

@@ -17,18 +17,10 @@ from typing import Sequence
 
 import torch
 
-from moe_lc.ops.documents import remember_host_bounds
+from moe_lc.ops.documents import remember_host_bounds, upload
 from moe_lc.optim import OptimConfig, apply_lr
 from moe_lc.train.model_setup import ModelState
 from moe_lc.train.runtime import Runtime
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A batch tensor on the device. A copy from pageable memory waits for all queued GPU work (the
-    GPU would drain before every micro-batch), so CUDA copies go through pinned memory."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 @dataclass
@@ -59,12 +51,12 @@ def train_step(
     last = len(micro_batches) - 1
     for i, batch in enumerate(micro_batches):
         state.set_gradient_sync(i == last)
-        cu_seqlens = _to_device(batch.cu_seqlens, device)
+        cu_seqlens = upload(batch.cu_seqlens, device)
         remember_host_bounds(cu_seqlens, batch.cu_seqlens.tolist())  # no layer copies it back
         with autocast():
             out = model(
-                _to_device(batch.input_ids, device),
-                labels=_to_device(batch.labels, device),
+                upload(batch.input_ids, device),
+                labels=upload(batch.labels, device),
                 cu_seqlens=cu_seqlens,
                 return_logits=False,
             )
