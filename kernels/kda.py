@@ -42,10 +42,10 @@ CHUNK = 64
 # Backward products: ``score_prec`` for the key-tile score gradients, whose contributions to dG
 # cancel in pairs (at "tf32" the kernel rounds their operands itself so that the pairs stay equal),
 # ``bwd_prec`` for all the others. ``*_maxnreg``: a register cap per thread (0: the compiler's).
-# ``state_prec``: the backward's state passes multiply in tf32, or in the inputs' dtype ("bf16":
-# ~4% faster, but d beta up to 3.5x further from float64 on the H200 fuzz, measured up to 9.2e-3),
-# or "bf16x2": bf16 products with the fp32 state-side operand as two bf16 halves (16 mantissa bits,
-# tf32 has 10; not yet timed or fuzzed on a GPU).
+# ``state_prec``: the backward's state passes multiply bf16 operands with the fp32 state-side operand
+# as two bf16 halves ("bf16x2", 16 mantissa bits; default: B=8,T=4K 8.20 -> 7.98 ms, B=1,T=64K 18.19 ->
+# 17.70 against "tf32", fuzz unchanged at 3.9e-3), in tf32, or in plain bf16 ("bf16": faster still,
+# but d beta up to 3.5x further from float64 on the H200 fuzz, measured up to 9.2e-3).
 # ``save_prep``: what the forward keeps for the backward besides q, k, v, z: "none" (recompute the
 # prep), "inverse" (the UT inverse and Aqk, ~0.4x the inputs' bytes, the same trade as fla's
 # default: only the prep's elementwise part is recomputed; measured 18.99 -> 17.50 ms at B=8,T=4K,
@@ -59,7 +59,7 @@ CHUNK = 64
 # loads (``ktile_stages=3``: 10.99 -> 10.44 ms at B=8,T=4K).
 TUNING = dict(save_prep="inverse", norm_warps=4, norm_bk=32, prep_warps=4, prep_bk=32, prep_maxnreg=0,
               score_warps=1, score_bk=64, inv_warps=2, wu_warps=4, state_warps=4, state_stages=1, state_bv=64,
-              state_bwd_bv=64, bwd_states="fp32", state_prec="tf32", bwd_prec="tf32", score_prec="tf32",
+              state_bwd_bv=64, bwd_states="fp32", state_prec="bf16x2", bwd_prec="tf32", score_prec="tf32",
               vside_warps=4, vside_bk=64, vside_bv=64, vside_maxnreg=0, kside_warps=4, kside_bk=16, kside_stages=1,
               ktile_warps=4, ktile_bk=64, ktile_maxnreg=168, ktile_stages=3, kgate_warps=4, kgate_bk=32)
 _PRECISIONS = ("tf32", "tf32x3", "ieee")
