@@ -96,6 +96,12 @@ class _Plan:
     seg_eos: Tensor  # end of the segment's sequence (masks the last, partial chunk)
     seq_seg0: Tensor
     seq_nseg: Tensor
+    # Segments in launch order, longest first (a pass lasts as long as its longest program, which
+    # should not start last): every segment; those of split sequences (pass 1 needs their end state
+    # and transition); those after a sequence's first (the backward's partial pass needs their dS~)
+    seg_order: Tensor
+    split_order: Tensor
+    later_order: Tensor
     compose_steps: tuple  # per step j: (sequences with a segment j, their segment j) as long tensors
     last_seg: Tensor  # [N] (long): last segment of each sequence
     first_seg: Tensor  # [N] (long)
@@ -149,8 +155,14 @@ def build_plan(seq_lens: list[int], device: torch.device, segment_chunks: int | 
         seq_nseg.append(len(seg_chunk0) - seq_seg0[-1])
         start += length
 
+    longest_first = sorted(range(len(seg_chunk0)), key=lambda s: -seg_nchunks[s])
+    seq_of = [n for n, count in enumerate(seq_nseg) for _ in range(count)]
+    split_order = [s for s in longest_first if seq_nseg[seq_of[s]] > 1]
+    later_order = [s for s in longest_first if s != seq_seg0[seq_of[s]]]
+
     # One host buffer per dtype, one upload each (``upload``: no wait for queued GPU work)
-    tables = (chunk_bos, chunk_eos, seg_chunk0, seg_nchunks, seg_bos, seg_eos, seq_seg0, seq_nseg)
+    tables = (chunk_bos, chunk_eos, seg_chunk0, seg_nchunks, seg_bos, seg_eos, seq_seg0, seq_nseg, longest_first,
+              split_order, later_order)
     host = torch.tensor([x for table in tables for x in table], dtype=torch.int32)
     ints = torch.split(upload(host, device), [len(table) for table in tables])
 
@@ -165,7 +177,8 @@ def build_plan(seq_lens: list[int], device: torch.device, segment_chunks: int | 
     on_device = torch.split(upload(torch.cat(longs), device), [len(t) for t in longs])
     return _Plan(
         chunk_bos=ints[0], chunk_eos=ints[1], seg_chunk0=ints[2], seg_nchunks=ints[3], seg_bos=ints[4],
-        seg_eos=ints[5], seq_seg0=ints[6], seq_nseg=ints[7],
+        seg_eos=ints[5], seq_seg0=ints[6], seq_nseg=ints[7], seg_order=ints[8], split_order=ints[9],
+        later_order=ints[10],
         compose_steps=tuple(zip(on_device[:-2:2], on_device[1:-2:2])), last_seg=on_device[-2],
         first_seg=on_device[-1], num_chunks=len(chunk_bos), num_segments=len(seg_chunk0), num_seqs=len(seq_lens),
         segmented=len(seg_chunk0) > len(seq_lens),
@@ -272,11 +285,12 @@ def _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, *, init, transition, out=
     bv = cfg["BV"]
     v_end = value_dim + (key_dim if transition else 0)
     seg_end = torch.empty(plan.num_segments, heads, key_dim, v_end, device=w.device, dtype=torch.float32)
-    grid = (v_end // bv, plan.num_segments * heads)
+    order = plan.split_order if transition else plan.seg_order  # pass 1 skips unsplit sequences
+    grid = (v_end // bv, len(order) * heads)
     kt._state_fwd_kernel[grid](
         w, u, qg, kend, aqk, gc, out if out is not None else w, states if states is not None else w,
         delta if delta is not None else w, init if init is not None else seg_end, seg_end,
-        plan.seg_chunk0, plan.seg_nchunks, plan.seg_bos, plan.seg_eos, heads,
+        plan.seg_chunk0, plan.seg_nchunks, plan.seg_bos, plan.seg_eos, order, heads,
         K=key_dim, V=value_dim, BV=bv, BT=CHUNK, V_END=v_end, HAS_INIT=init is not None,
         TRANSITION=transition, STORE_OUTPUT=out is not None, STORE_STATES=states is not None,
         DOT_PREC=cfg["dot"], **_state_operands(w, states is not None),
@@ -297,10 +311,11 @@ def _segment_starts(kt, w, u, qg, kend, aqk, gc, plan, cfg, initial_state):
     starts = torch.empty(plan.num_segments, heads, key_dim, value_dim, device=w.device, dtype=torch.float32)
     state = (initial_state.clone() if initial_state is not None
              else torch.zeros(plan.num_seqs, heads, key_dim, value_dim, device=w.device, dtype=torch.float32))
-    for seqs, segs in plan.compose_steps:
-        current = state[seqs]
-        starts[segs] = current
-        state[seqs] = torch.matmul(transitions[segs], current) + s_tilde[segs]
+    for j, (seqs, segs) in enumerate(plan.compose_steps):
+        starts[segs] = state[seqs]
+        if j + 1 < len(plan.compose_steps):  # sequences with a segment j + 1 advance over segment j
+            seqs, later = plan.compose_steps[j + 1]
+            state[seqs] = torch.matmul(transitions[later - 1], state[seqs]) + s_tilde[later - 1]
     return starts, transitions.contiguous()
 
 
@@ -310,10 +325,12 @@ def _segment_end_grads(dpart, transitions, dfinal, plan):
     grad = (dfinal.clone() if dfinal is not None
             else torch.zeros(num_seqs, *dpart.shape[1:], device=dpart.device, dtype=torch.float32))
     dend = torch.empty_like(dpart)
-    for seqs, segs in reversed(plan.compose_steps):
+    for j in reversed(range(len(plan.compose_steps))):
+        seqs, segs = plan.compose_steps[j]
         current = grad[seqs]
         dend[segs] = current
-        grad[seqs] = torch.matmul(transitions[segs].transpose(-1, -2), current) + dpart[segs]
+        if j:  # dS~ of a first segment is neither computed nor needed (its start gradient comes from the last pass)
+            grad[seqs] = torch.matmul(transitions[segs].transpose(-1, -2), current) + dpart[segs]
     return dend
 
 
@@ -441,14 +458,15 @@ class _ChunkKDAFunction(torch.autograd.Function):
                       num_stages=TUNING["state_stages"])
         if plan.segmented:
             dpart = torch.empty_like(dstart)
-            kt._state_bwd_kernel[grid](qg, w, kend, aqk, gc, do, dh, ddelta, dstart, dpart,
-                                       plan.seg_chunk0, plan.seg_nchunks, plan.seg_bos, plan.seg_eos, heads,
-                                       HAS_INIT=False, STORE=False, **common)
+            kt._state_bwd_kernel[(value_dim // bv, len(plan.later_order) * heads)](
+                qg, w, kend, aqk, gc, do, dh, ddelta, dstart, dpart, plan.seg_chunk0, plan.seg_nchunks, plan.seg_bos,
+                plan.seg_eos, plan.later_order, heads, HAS_INIT=False, STORE=False, **common)
             dend = _segment_end_grads(dpart, transitions, dfinal, plan)
         else:
             dend = dfinal
         kt._state_bwd_kernel[grid](qg, w, kend, aqk, gc, do, dh, ddelta, dend if dend is not None else dstart,
-                                   dstart, plan.seg_chunk0, plan.seg_nchunks, plan.seg_bos, plan.seg_eos, heads,
+                                   dstart, plan.seg_chunk0, plan.seg_nchunks, plan.seg_bos, plan.seg_eos,
+                                   plan.seg_order, heads,
                                    HAS_INIT=dend is not None, STORE=True, **common)
         del u, qg, kend, aqk
 

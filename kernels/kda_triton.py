@@ -391,7 +391,7 @@ def _wu_kernel(v, beta, x, chunk_bos, chunk_eos, w, u, H,
 # ----------------------------------------------------------------------------- forward, state pass
 @triton.jit
 def _state_fwd_kernel(w, u, qg, kend, aqk, gc, o, states, delta, seg_init, seg_end,
-                      seg_chunk0, seg_nchunks, seg_bos, seg_eos, H,
+                      seg_chunk0, seg_nchunks, seg_bos, seg_eos, seg_order, H,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                       V_END: tl.constexpr, HAS_INIT: tl.constexpr, TRANSITION: tl.constexpr,
                       STORE_OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -406,7 +406,7 @@ def _state_fwd_kernel(w, u, qg, kend, aqk, gc, o, states, delta, seg_init, seg_e
     """
     pv = tl.program_id(0)
     sh = tl.program_id(1)
-    seg = sh // H
+    seg = tl.load(seg_order + sh // H)  # longest segments first (see kda.build_plan)
     h = sh % H
     c0 = tl.load(seg_chunk0 + seg)
     nc = tl.load(seg_nchunks + seg)
@@ -450,7 +450,7 @@ def _state_fwd_kernel(w, u, qg, kend, aqk, gc, o, states, delta, seg_init, seg_e
 # ----------------------------------------------------------------------------- backward, state pass
 @triton.jit
 def _state_bwd_kernel(qg, w, kend, aqk, gc, do, dh, ddelta, seg_init, seg_start_grad,
-                      seg_chunk0, seg_nchunks, seg_bos, seg_eos, H,
+                      seg_chunk0, seg_nchunks, seg_bos, seg_eos, seg_order, H,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                       HAS_INIT: tl.constexpr, STORE: tl.constexpr, DOT_PREC: tl.constexpr,
                       OPD: tl.constexpr, SPLIT: tl.constexpr):
@@ -462,7 +462,7 @@ def _state_bwd_kernel(qg, w, kend, aqk, gc, do, dh, ddelta, seg_init, seg_start_
     """
     pv = tl.program_id(0)
     sh = tl.program_id(1)
-    seg = sh // H
+    seg = tl.load(seg_order + sh // H)  # longest segments first (see kda.build_plan)
     h = sh % H
     c0 = tl.load(seg_chunk0 + seg)
     nc = tl.load(seg_nchunks + seg)

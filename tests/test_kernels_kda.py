@@ -329,6 +329,10 @@ def test_plan_splits_documents_into_chunks_and_segments():
     assert plan.seg_bos.tolist() == [0, 3, 131, 133] and plan.seg_eos.tolist() == [3, 133, 133, 197]
     assert plan.seq_seg0.tolist() == [0, 1, 3] and plan.seq_nseg.tolist() == [1, 2, 1]
     assert plan.segmented
+    # launch orders: longest first; pass 1 only over split documents; the partial backward pass only
+    # over segments after a document's first
+    assert plan.seg_order.tolist() == [1, 0, 2, 3]
+    assert plan.split_order.tolist() == [1, 2] and plan.later_order.tolist() == [2]
 
 
 def test_plans_are_cached_per_lengths_and_bounded(monkeypatch):

@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 from moe_lc_kernels import kda as kda_mod
 from moe_lc_kernels import kda_triton as kt
 
-INDEX_TABLES = {"chunk_bos", "chunk_eos", "seg_chunk0", "seg_nchunks", "seg_bos", "seg_eos"}
+INDEX_TABLES = {"chunk_bos", "chunk_eos", "seg_chunk0", "seg_nchunks", "seg_bos", "seg_eos", "seg_order"}
 FLOAT_SCALARS = {"scale", "lower_bound"}
 
 
