@@ -50,7 +50,8 @@ CHUNK = 64
 # prep), "inverse" (the UT inverse and Aqk, ~0.4x the inputs' bytes, the same trade as fla's
 # default: only the prep's elementwise part is recomputed; measured 18.99 -> 17.50 ms at B=8,T=4K,
 # 40.35 -> 36.01 at B=1,T=64K) or "all" (every prep output, ~1.4x; 16.53 / 34.90 ms).
-# ``bwd_states="bf16"`` (states and their gradients stored in bf16 for the backward): ~8% faster, but
+# ``bwd_states``: "fp32", or the state-pass outputs the backward keeps in bf16 ("bf16": all; or some
+# of states+delta+dh+ddelta joined by "+"). "bf16" (states and their gradients in bf16): ~8% faster, but
 # d A_log 8.0e-3 from float64 on one H200 fuzz case (3.0e-3 with fp32), too close to the 1e-2 bar.
 # Kernels by prefix: ``norm`` row norms, ``prep`` elementwise prep, ``score`` forward tile-pair
 # scores, ``state`` the state passes (``state_bwd_bv``: the backward pass's value block), ``vside``
@@ -63,7 +64,10 @@ TUNING = dict(save_prep="inverse", norm_warps=4, norm_bk=32, prep_warps=4, prep_
               vside_warps=4, vside_bk=64, vside_bv=64, vside_maxnreg=0, kside_warps=4, kside_bk=16, kside_stages=1,
               ktile_warps=4, ktile_bk=64, ktile_maxnreg=168, ktile_stages=3, kgate_warps=4, kgate_bk=32)
 _PRECISIONS = ("tf32", "tf32x3", "ieee")
-_TEXT_TUNING = {"save_prep": ("none", "inverse", "all"), "bwd_states": ("fp32", "bf16"),
+_BWD_BUFFERS = ("states", "delta", "dh", "ddelta")  # the backward's state-pass outputs
+_TEXT_TUNING = {"save_prep": ("none", "inverse", "all"),
+                "bwd_states": ("fp32", "bf16", *("+".join(b for i, b in enumerate(_BWD_BUFFERS) if mask >> i & 1)
+                                                for mask in range(1, 2 ** len(_BWD_BUFFERS) - 1))),
                 "state_prec": ("tf32", "bf16", "bf16x2"), "bwd_prec": _PRECISIONS, "score_prec": _PRECISIONS}
 
 
@@ -334,6 +338,13 @@ def _segment_end_grads(dpart, transitions, dfinal, plan):
     return dend
 
 
+def bwd_dtypes(chosen: str, inter: torch.dtype) -> dict[str, torch.dtype]:
+    """dtype of each state-pass output kept for the backward: fp32, or ``inter`` (bf16) for those
+    that ``chosen`` (TUNING's ``bwd_states``) names ("bf16": all four)."""
+    low = set(_BWD_BUFFERS) if chosen == "bf16" else set() if chosen == "fp32" else set(chosen.split("+"))
+    return {name: inter if name in low else torch.float32 for name in _BWD_BUFFERS}
+
+
 def _register_cap(kernel: str) -> dict:
     """``maxnreg`` launch option from TUNING (absent when 0, which the interpreter also needs)."""
     cap = TUNING[f"{kernel}_maxnreg"]
@@ -442,14 +453,14 @@ class _ChunkKDAFunction(torch.autograd.Function):
             # [T, H, K] during the state passes) so that its chunk kernel does not redo the gate and cumsum
             (w, u, qg, kend, aqk, gc, x), gcum, _ = _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan, flags, cfg,
                                                           scores=tuple(kept) or None, rnorm=rnorm)
-        bwd_dtype = torch.float32 if TUNING["bwd_states"] == "fp32" else cfg["inter"]
-        states = torch.empty(plan.num_chunks, heads, key_dim, value_dim, device=q.device, dtype=bwd_dtype)
-        delta = torch.empty(total, heads, value_dim, device=q.device, dtype=bwd_dtype)
+        dtypes = bwd_dtypes(TUNING["bwd_states"], cfg["inter"])
+        states = torch.empty(plan.num_chunks, heads, key_dim, value_dim, device=q.device, dtype=dtypes["states"])
+        delta = torch.empty(total, heads, value_dim, device=q.device, dtype=dtypes["delta"])
         _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, init=seg_init, transition=False, states=states,
                    delta=delta)
 
-        dh = torch.empty_like(states)
-        ddelta = torch.empty(total, heads, value_dim, device=q.device, dtype=bwd_dtype)
+        dh = torch.empty_like(states, dtype=dtypes["dh"])
+        ddelta = torch.empty(total, heads, value_dim, device=q.device, dtype=dtypes["ddelta"])
         dstart = torch.empty(plan.num_segments, heads, key_dim, value_dim, device=q.device, dtype=torch.float32)
         dfinal = None if dfinal is None else dfinal.float().contiguous()
         grid = (value_dim // bv, plan.num_segments * heads)

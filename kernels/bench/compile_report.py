@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -40,7 +41,8 @@ def launches(tuning: dict) -> dict:
     flags = dict(GATE_IN_KERNEL=True, HAS_DT_BIAS=True, L2NORM=True, BETA_SIGMOID=True)
     dims = dict(K=128, BT=64)
     params = {"A_log", "dt_bias"}
-    states = {"states", "dh", "ddelta", "delta"} if tuning["bwd_states"] == "fp32" else set()
+    kept = kda_mod.bwd_dtypes(tuning["bwd_states"], torch.bfloat16)
+    states = {name for name, dtype in kept.items() if dtype == torch.float32}
     bwd_operands = dict(OPD=tl.float32 if tuning["state_prec"] == "tf32" else tl.bfloat16,
                         SPLIT=tuning["state_prec"] == "bf16x2")
     return {
