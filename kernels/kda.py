@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from moe_lc.ops.documents import host_bounds, upload
+from moe_lc.ops.gate_floor import known_gate_floor
 
 CHUNK = 64
 # Launch choices (benchmarked in kernels/NOTES.md); MOE_LC_KDA_TUNING="key=value,..." overrides.
@@ -51,9 +52,10 @@ CHUNK = 64
 # default: only the prep's elementwise part is recomputed; measured 18.99 -> 17.50 ms at B=8,T=4K,
 # 40.35 -> 36.01 at B=1,T=64K) or "all" (every prep output, ~1.4x; 16.53 / 34.90 ms).
 # ``bwd_states``: "fp32", or the state-pass outputs the backward keeps in bf16 ("bf16": all; or some
-# of states+delta+dh+ddelta joined by "+"). Default "states": the per-chunk states in bf16 (B=8,T=4K
-# 7.98 -> 7.88 ms, B=1,T=64K 17.74 -> 17.37, fuzz 3.92e-3 -> 3.95e-3); bf16 state gradients ("dh")
-# double d A_log's error (7.5e-3 on one H200 fuzz case), "bf16" (all four) 8.0e-3: too close to 1e-2.
+# of states+delta+dh+ddelta joined by "+"). Default: all but the state gradients dh (H200, same call:
+# B=8,T=4K 7.91 -> 7.66 ms, B=2,T=8K,H=64 15.81 -> 15.39 against "states" alone; fuzz 4.40e-3, was
+# 3.92e-3 with all fp32). bf16 state gradients ("dh") double d A_log's error (7.5e-3 on one H200
+# fuzz case), "bf16" (all four) 8.0e-3: too close to 1e-2.
 # Kernels by prefix: ``norm`` row norms, ``prep`` elementwise prep, ``score`` forward tile-pair
 # scores, ``state`` the state passes (``state_bwd_bv``: the backward pass's value block), ``vside``
 # the value-side backward (``vside_bk``: key block per program), ``kside`` / ``ktile`` / ``kgate`` the
@@ -61,7 +63,7 @@ CHUNK = 64
 # loads (``ktile_stages=3``: 10.99 -> 10.44 ms at B=8,T=4K).
 TUNING = dict(save_prep="inverse", norm_warps=4, norm_bk=32, prep_warps=4, prep_bk=32, prep_maxnreg=0,
               score_warps=1, score_bk=64, inv_warps=2, wu_warps=4, state_warps=4, state_stages=1, state_bv=64,
-              state_bwd_bv=64, bwd_states="states", state_prec="bf16x2", bwd_prec="tf32", score_prec="tf32",
+              state_bwd_bv=64, bwd_states="states+delta+ddelta", state_prec="bf16x2", bwd_prec="tf32", score_prec="tf32",
               vside_warps=4, vside_bk=64, vside_bv=64, vside_maxnreg=0, kside_warps=4, kside_bk=16, kside_stages=1,
               ktile_warps=4, ktile_bk=64, ktile_maxnreg=168, ktile_stages=3, kgate_warps=4, kgate_bk=32)
 _PRECISIONS = ("tf32", "tf32x3", "ieee")
@@ -605,7 +607,12 @@ def kernel_head_dim_ok(dim: int) -> bool:
 
 
 def gate_is_bounded(g: Tensor) -> bool:
-    """Whether every per-step log-decay is within the span the dense tile path handles."""
+    """Whether every per-step log-decay is within the span the dense tile path handles: from the
+    floor ``kda_gate`` recorded for ``g`` when it is within that span, else by reading ``g.min()``
+    (a device-to-host copy, which waits for the queued GPU work)."""
+    floor = known_gate_floor(g)
+    if floor is not None and floor >= -GATE_SPAN_LIMIT:
+        return True
     return bool(g.numel() == 0 or float(g.detach().min()) >= -GATE_SPAN_LIMIT)
 
 

@@ -267,24 +267,28 @@ def test_backend_dispatch(monkeypatch):
     assert len(calls) == 1 and rel(out32, torch_out) < 1e-5
 
 
-def test_auto_prefers_triton_only_where_it_was_measured_faster(monkeypatch):
-    """fla first, but triton first for a sequence of >= 64K tokens with <= 16 sequences x heads."""
+def test_auto_prefers_triton_and_inputs_it_cannot_take_go_to_fla(monkeypatch):
+    """auto tries triton first at every shape (measured faster than fla everywhere); the triton
+    backend hands unbounded gates and head dims the kernels do not take to fla when fla supports
+    the inputs, else to the torch reference (the same result as backend="torch")."""
     monkeypatch.setattr(kda, "_BACKENDS", dict(kda._BACKENDS))
     calls = []
-    for name in ("triton", "fla"):
-        register_kda_backend(name, lambda *a, name=name: calls.append(name) or (torch.zeros_like(a[2]), None))
-
-    def run(batch, seq_len, heads, cu_seqlens=None):
+    register_kda_backend("triton", lambda *a: calls.append("triton") or (torch.zeros_like(a[2]), None))
+    register_kda_backend("fla", lambda *a: calls.append("fla") or (torch.zeros_like(a[2]), None))
+    for batch, seq_len, heads in ((8, 64, 16), (1, 300, 2), (2, 70, 64)):
         q, k, v, g, beta, _ = make_inputs(batch, seq_len, heads, 4, 4, seed=15)
-        chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens)
-        return calls.pop()
+        chunk_kda(q, k, v, g, beta)
+        assert calls.pop() == "triton"
 
-    assert run(1, 16384, 16) == "fla"
-    assert run(1, 65536, 16) == "triton"
-    assert run(1, 65536, 17) == "fla"  # too many heads for the measured crossover
-    assert run(2, 65536, 8) == "triton"
-    assert run(1, 65536, 2, cu_seqlens=torch.tensor([0, 65000, 65536])) == "fla"  # longest document < 64K
-    assert run(1, 70000, 2, cu_seqlens=torch.tensor([0, 65536, 70000])) == "triton"
+    register_kda_backend("fla", lambda *a: calls.append("fla") or (torch.zeros_like(a[2]), None))
+    for gate, dim in (("softplus_extreme", 16), ("bounded", 24)):  # unbounded gate; a head dim the kernels lack
+        q, k, v, g, beta, _ = make_inputs(1, 40, 2, dim, dim, gate=gate, seed=16)
+        kda._triton_backend(q, k, v, g, beta, dim**-0.5, None, False, None)
+        assert calls.pop() == "fla"
+    register_kda_backend("fla", lambda *a: calls.append("fla"), supports=lambda q: False)
+    out, _ = kda._triton_backend(q, k, v, g, beta, 24**-0.5, None, False, None)
+    ref, _ = chunk_kda(q, k, v, g, beta, backend="torch")
+    assert not calls and torch.equal(out, ref)
 
 
 # ----------------------------------------------------------------------------- errors
@@ -325,3 +329,20 @@ def test_clear_errors_on_bad_inputs():
         kda_gate(torch.randn(3, 2, 4), torch.zeros(2), torch.zeros(7))
     with pytest.raises(ValueError, match="lower_bound"):
         kda_gate(torch.randn(3, 2, 4), torch.zeros(2), lower_bound=5.0)
+
+
+def test_bounded_gate_is_recognised_without_reading_it(monkeypatch):
+    """kda_gate records its floor: the kernels' bounded-gate check trusts it (no g.min(), which on a
+    GPU waits for all queued work) until g changes in place; other tensors are read."""
+    from moe_lc.ops.gate_floor import known_gate_floor
+    from moe_lc_kernels.kda import gate_is_bounded
+
+    g = make_gate((1, 8, 2, 4), "bounded", torch.Generator().manual_seed(3))
+    assert known_gate_floor(g) == -5.0 and gate_is_bounded(g)
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "min", lambda self, *a: reads.append(1) or torch.amin(self))
+    assert gate_is_bounded(g) and not reads
+    g.mul_(3)  # now reaches below -5.5: the record no longer holds and the check reads g
+    assert known_gate_floor(g) is None and not gate_is_bounded(g) and reads
+    unbounded = make_gate((1, 8, 2, 4), "softplus_extreme", torch.Generator().manual_seed(3))
+    assert known_gate_floor(unbounded) is None and known_gate_floor(g.clone()) is None

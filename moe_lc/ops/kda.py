@@ -55,6 +55,7 @@ from torch import Tensor
 
 from moe_lc.ops._kda_chunk import chunk_kda_torch
 from moe_lc.ops.documents import host_bounds
+from moe_lc.ops.gate_floor import remember_gate_floor
 
 __all__ = [
     "kda_gate",
@@ -101,7 +102,9 @@ def kda_gate(
     finfo = torch.finfo(compute)
     # Largest value below 1 and smallest normal: sigmoid saturates to exactly 0 or 1 otherwise.
     fraction = torch.sigmoid(rate * x).clamp(min=finfo.tiny, max=1.0 - finfo.eps / 2)
-    return lower_bound * fraction
+    g = lower_bound * fraction
+    remember_gate_floor(g, lower_bound)  # the kernels' bounded-gate check needs no device read
+    return g
 
 
 # ----------------------------------------------------------------------------- validation
@@ -245,28 +248,11 @@ class KDABackend(Protocol):
 _BACKENDS: dict[str, tuple[KDABackend, Callable[[Tensor], bool]]] = {}
 # Names reserved for kernels that are planned but not shipped yet, and the order "auto" tries.
 _PLANNED_BACKENDS = ("triton", "fla")
-# fla first, except on long sequences with few (sequences x heads): measured on one H200
-# (docs/performance.md, session 8), the Triton kernels beat fla 0.6.0 by 1.17-1.21x forward+backward
-# at B=1, H=16 and T = 64K / 256K, where their segmented state pass fills the device, and trail it
-# by 4-8% at T <= 16K, at H=64 and on packed short documents.
-_AUTO_ORDER = ("fla", "triton", "torch")
-_LONG_AUTO_ORDER = ("triton", "fla", "torch")
-TRITON_FIRST_MIN_TOKENS = 65536
-TRITON_FIRST_MAX_SEQUENCE_HEADS = 16
-
-
-def _auto_order(q: Tensor, cu_seqlens: Tensor | None) -> tuple[str, ...]:
-    """The order "auto" tries the backends in, from the measured crossover above."""
-    if not ("triton" in _BACKENDS and "fla" in _BACKENDS):
-        return _AUTO_ORDER
-    if cu_seqlens is None:
-        sequences, longest = q.shape[0], q.shape[1]
-    else:
-        bounds = host_bounds(cu_seqlens)
-        sequences, longest = len(bounds) - 1, max(b - a for a, b in zip(bounds, bounds[1:]))
-    if longest >= TRITON_FIRST_MIN_TOKENS and sequences * q.shape[2] <= TRITON_FIRST_MAX_SEQUENCE_HEADS:
-        return _LONG_AUTO_ORDER
-    return _AUTO_ORDER
+# Triton first: measured on one H200 (docs/performance.md, session 9, same run), the Triton kernels
+# beat fla 0.6.0 forward+backward at every benchmark shape: 1.02x at B=8,T=4K and at B=2,T=8K,H=64,
+# 1.03x at B=2,T=16K, 1.10x on 24 packed documents, 1.25x / 1.30x at B=1,T=64K / 256K. Inputs the
+# kernels cannot take (see _triton_backend) go to fla when it is installed.
+_AUTO_ORDER = ("triton", "fla", "torch")
 
 
 def register_kda_backend(name: str, fn: KDABackend, supports: Callable[[Tensor], bool] | None = None) -> None:
@@ -285,10 +271,9 @@ def available_kda_backends() -> tuple[str, ...]:
     return tuple(_BACKENDS)
 
 
-def _resolve_backend(name: str, q: Tensor, cu_seqlens: Tensor | None = None) -> KDABackend:
+def _resolve_backend(name: str, q: Tensor) -> KDABackend:
     if name == "auto":
-        order = _auto_order(q, cu_seqlens)
-        candidates = [n for n in order if n in _BACKENDS] + [n for n in _BACKENDS if n not in order]
+        candidates = [n for n in _AUTO_ORDER if n in _BACKENDS] + [n for n in _BACKENDS if n not in _AUTO_ORDER]
         for candidate in candidates:
             fn, supports = _BACKENDS[candidate]
             if supports(q):
@@ -325,13 +310,16 @@ def _kernel_takes(q: Tensor) -> bool:
 
 
 def _triton_backend(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-    """moe_lc_kernels' Triton kernels; inputs they cannot take (unbounded gates, head dims that
-    are not powers of two in [16, 128], the largest run on a GPU) run on the torch reference instead."""
+    """moe_lc_kernels' Triton kernels. Inputs they cannot take (unbounded gates, head dims that are
+    not powers of two in [16, 128], the largest run on a GPU) go to fla when it is installed, else
+    to the torch reference."""
     from moe_lc_kernels.kda import MAX_TRAINING_HEAD_DIM, chunk_kda_triton, gate_is_bounded, kernel_head_dim_ok
 
     dims_ok = kernel_head_dim_ok(q.shape[-1]) and kernel_head_dim_ok(v.shape[-1])
     if not (gate_is_bounded(g) and dims_ok and max(q.shape[-1], v.shape[-1]) <= MAX_TRAINING_HEAD_DIM):
-        return chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+        fla = _BACKENDS.get("fla")
+        fallback = fla[0] if fla is not None and fla[1](q) else chunk_kda_torch
+        return fallback(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     return chunk_kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
 
 
@@ -373,6 +361,6 @@ def chunk_kda(
     """
     _validate("chunk_kda", q, k, v, g, beta, initial_state, cu_seqlens)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    impl = _resolve_backend(backend, q, cu_seqlens)
+    impl = _resolve_backend(backend, q)
     out, final_state = impl(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     return out.to(q.dtype), final_state
