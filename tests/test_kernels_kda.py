@@ -91,6 +91,21 @@ def test_fused_matches_float64_with_states(segment_chunks):
     assert_matches(x, h0, out, final, *fused_reference(x, h0, None))
 
 
+def test_projections_op_triton_backend_is_the_fused_kernel_of_the_same_composition():
+    """moe_lc.ops.kda_projections: its triton backend (the fused kernels) against its torch backend (the
+    definition) in float64, forward and gradients; a gate the kernels cannot take falls back."""
+    from moe_lc.ops import kda_projections as proj
+
+    x, h0 = raw_inputs(1, 90, 2, 16, 16, num_states=1, seed=8)
+    names = ("q", "k", "v", "z", "beta", "A_log", "dt_bias")
+    out, final = proj._triton(*(x[n] for n in names), -5.0, 0.25, h0, True, None)
+    ref = proj._torch(*(x[n].double() for n in names), -5.0, 0.25, h0.double(), True, None)
+    assert_matches(x, h0, out, final, *ref)
+    softplus = proj._triton(*(x[n] for n in names), None, 0.25, h0, True, None)  # unbounded: torch
+    wanted = proj._torch(*(x[n] for n in names), None, 0.25, h0, True, None)
+    assert torch.equal(softplus[0], wanted[0])
+
+
 @pytest.mark.parametrize("save_prep", ["inverse", "all"])
 def test_saved_prep_gives_the_same_gradients(monkeypatch, save_prep):
     """save_prep keeps some or all of the forward's prep outputs instead of recomputing them in the

@@ -1,6 +1,7 @@
 """The KDA token mixer (SPEC 2.2): gated delta-rule linear attention with per-channel decay.
 
     q, k = L2Norm(SiLU(ShortConv(W x)))   v = SiLU(ShortConv(W_v x))   beta = sigmoid(W_beta x)
+    (L2Norm(x) = x / sqrt(|x|^2 + 1e-6); norm, gate and sigmoid are fused into the KDA kernels)
     z = W_up W_down x                      g = gate(z + b)   (bounded: g_min * sigmoid(e^A (z + b)))
     o = KDA(q, k, v, g, beta)              y = W_o [ sigmoid(W_g x) * RMSNorm_head(o) ]
 """
@@ -17,8 +18,7 @@ from torch import nn
 from moe_lc.config import KDAConfig
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.short_conv import ShortConv
-from moe_lc.ops.kda import chunk_kda, kda_gate
-from moe_lc.model.precision import upcast
+from moe_lc.ops.kda_projections import chunk_kda_from_projections
 
 
 class KDAttention(nn.Module):
@@ -73,13 +73,11 @@ class KDAttention(nn.Module):
         q = F.silu(self.q_conv(self.q_proj(x), cu_seqlens)).view(B, T, -1, K)
         k = F.silu(self.k_conv(self.k_proj(x), cu_seqlens)).view(B, T, -1, K)
         v = F.silu(self.v_conv(self.v_proj(x), cu_seqlens)).view(B, T, -1, K)
-        q = F.normalize(upcast(q), dim=-1).to(x.dtype)
-        k = F.normalize(upcast(k), dim=-1).to(x.dtype)
-        beta = torch.sigmoid(upcast(self.beta_proj(x)))
         z = self.decay_up(self.decay_down(x)).view(B, T, -1, K)
         lower = self.cfg.g_min if self.cfg.gate == "bounded" else None
-        g = kda_gate(z, self.A_log, self.dt_bias, lower_bound=lower)
-        o, _ = chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=self.cfg.backend)
+        # L2 norm of q and k, the gate and beta's sigmoid run inside the kernels where they can
+        o, _ = chunk_kda_from_projections(q, k, v, z, self.beta_proj(x), self.A_log, self.dt_bias, lower_bound=lower,
+                                          cu_seqlens=cu_seqlens, backend=self.cfg.backend)
         o = self.o_norm(o)
         gate = torch.sigmoid(self.gate_proj(x)).view(B, T, -1, K)
         return self.o_proj((gate * o.to(gate.dtype)).reshape(B, T, -1))

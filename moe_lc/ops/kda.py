@@ -39,10 +39,11 @@ restarts from the document's initial state (or zero) at every boundary.
 
 Backends: :func:`chunk_kda` dispatches on ``backend``; ``"torch"`` is the reference here,
 ``"triton"`` (moe_lc_kernels) and ``"fla"`` (flash-linear-attention) run on CUDA when installed,
-and ``"auto"`` picks the first of fla, triton, torch that supports the inputs, triton first on
-sequences of 64K tokens and more with at most 16 (sequences x heads), where it is measured faster
-than fla on an H200 (docs/performance.md).
-Fast kernels plug in with :func:`register_kda_backend`.
+and ``"auto"`` picks the first of triton, fla, torch that supports the inputs (triton measured
+faster than fla at every benchmark shape on an H200, docs/performance.md).
+Fast kernels plug in with :func:`register_kda_backend`. A layer that has the raw projections
+calls :func:`moe_lc.ops.kda_projections.chunk_kda_from_projections` instead, which fuses the
+L2 norm, the gate and beta's sigmoid into the kernels.
 """
 
 from __future__ import annotations

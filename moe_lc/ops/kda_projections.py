@@ -1,0 +1,116 @@
+"""KDA from a layer's raw projections: L2 norm of q and k, the bounded gate and beta's sigmoid
+fused into the kernels where the backend can, instead of a dozen elementwise passes in PyTorch.
+
+    o = KDA(l2norm(q), l2norm(k), v, kda_gate(z, A_log, dt_bias, lower_bound), sigmoid(beta_logits))
+
+with ``l2norm(x) = x / sqrt(sum x^2 + 1e-6)`` (per head, in fp32). The torch backend computes
+exactly this composition (the definition); ``triton`` is :func:`moe_lc_kernels.chunk_kda_fused`
+and ``fla`` flash-linear-attention's ``chunk_kda`` with its in-kernel norm, gate and sigmoid.
+``auto`` tries triton, fla, torch, like :func:`moe_lc.ops.kda.chunk_kda`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from moe_lc.ops.kda import _installed, _kernel_takes, available_kda_backends, chunk_kda, kda_gate
+
+L2NORM_EPS = 1e-6
+
+
+def l2_normalize(x: Tensor) -> Tensor:
+    """``x / sqrt(sum x^2 + 1e-6)`` over the last dim, computed in at least fp32, returned in x's dtype."""
+    wide = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    return (wide * torch.rsqrt((wide * wide).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
+
+
+def _composed(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state,
+              cu_seqlens, kda_backend: str = "torch"):
+    """The definition: norm, gate and sigmoid in PyTorch, then :func:`chunk_kda` on ``kda_backend``."""
+    wide = beta_logits if beta_logits.dtype in (torch.float32, torch.float64) else beta_logits.float()
+    g = kda_gate(z, A_log, dt_bias, lower_bound=lower_bound)
+    return chunk_kda(l2_normalize(q), l2_normalize(k), v, g, torch.sigmoid(wide), scale=scale,
+                     initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                     backend=kda_backend)
+
+
+_torch = _composed
+
+
+def _triton(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state,
+            cu_seqlens):
+    from moe_lc_kernels.kda import GATE_SPAN_LIMIT, MAX_TRAINING_HEAD_DIM, chunk_kda_fused, kernel_head_dim_ok
+
+    dims = (q.shape[-1], v.shape[-1])
+    if (lower_bound is None or not -GATE_SPAN_LIMIT <= lower_bound < 0
+            or not all(kernel_head_dim_ok(d) and d <= MAX_TRAINING_HEAD_DIM for d in dims)):
+        fallback = _fla if _fla_available(q) and lower_bound is not None else _torch
+        return fallback(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state,
+                        output_final_state, cu_seqlens)
+    return chunk_kda_fused(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound=lower_bound, scale=scale,
+                           initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def _fla(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state,
+         cu_seqlens):
+    if lower_bound is None:  # fla's in-kernel gate is the bounded one
+        return _torch(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state,
+                      output_final_state, cu_seqlens)
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    return fla_chunk_kda(q, k, v, z, beta_logits, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
+                         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+                         lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias,
+                         cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
+
+
+def _triton_available(q: Tensor) -> bool:
+    return _kernel_takes(q) and _installed("triton") and _installed("moe_lc_kernels")
+
+
+def _fla_available(q: Tensor) -> bool:
+    return _kernel_takes(q) and _installed("fla")
+
+
+_BACKENDS = {"triton": (_triton, _triton_available), "fla": (_fla, _fla_available), "torch": (_torch, lambda q: True)}
+
+
+def chunk_kda_from_projections(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    z: Tensor,
+    beta_logits: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | None = -5.0,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """KDA on raw q, k (normalised here), v, the decay logit z [B, T, H, K] (gate as in
+    :func:`kda_gate`: bounded with ``lower_bound``, softplus with None) and beta logits [B, T, H].
+    Returns ``(o, final_state or None)`` like :func:`chunk_kda`; differentiable in every tensor."""
+    if backend == "auto":
+        name = next(n for n in _BACKENDS if _BACKENDS[n][1](q))
+    elif backend in _BACKENDS:
+        name = backend
+        if not _BACKENDS[name][1](q):
+            raise NotImplementedError(f'chunk_kda_from_projections: backend "{name}" is not available for these inputs '
+                                      f'({q.device}, {q.dtype}; it needs CUDA and its package); use "torch" or "auto"')
+    elif backend in available_kda_backends():  # a kernel registered with register_kda_backend
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        out, final = _composed(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state,
+                               output_final_state, cu_seqlens, kda_backend=backend)
+        return out.to(v.dtype), final
+    else:
+        raise ValueError(f'chunk_kda_from_projections: unknown backend "{backend}"; choose one of '
+                         f'{["auto", *dict.fromkeys([*_BACKENDS, *available_kda_backends()])]}')
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out, final = _BACKENDS[name][0](q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state,
+                                    output_final_state, cu_seqlens)
+    return out.to(v.dtype), final
