@@ -12,7 +12,6 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_lc.config import KDAConfig
@@ -67,12 +66,17 @@ class KDAttention(nn.Module):
             b = torch.log(p) - torch.log1p(-p)
         self.dt_bias.copy_(b.to(self.dt_bias.dtype))
 
+    def conv_backend(self) -> str:
+        """The short convolutions' backend: the reference with ``backend="torch"``, else the fastest."""
+        return "torch" if self.cfg.backend == "torch" else "auto"
+
     def forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, T, _ = x.shape
         K = self.cfg.head_dim  # heads are read from the shapes (-1): tensor parallelism holds H/tp of them
-        q = F.silu(self.q_conv(self.q_proj(x), cu_seqlens)).view(B, T, -1, K)
-        k = F.silu(self.k_conv(self.k_proj(x), cu_seqlens)).view(B, T, -1, K)
-        v = F.silu(self.v_conv(self.v_proj(x), cu_seqlens)).view(B, T, -1, K)
+        conv = dict(activation="silu", backend=self.conv_backend())  # one fused kernel with SiLU on GPUs
+        q = self.q_conv(self.q_proj(x), cu_seqlens, **conv).view(B, T, -1, K)
+        k = self.k_conv(self.k_proj(x), cu_seqlens, **conv).view(B, T, -1, K)
+        v = self.v_conv(self.v_proj(x), cu_seqlens, **conv).view(B, T, -1, K)
         z = self.decay_up(self.decay_down(x)).view(B, T, -1, K)
         lower = self.cfg.g_min if self.cfg.gate == "bounded" else None
         # L2 norm of q and k, the gate and beta's sigmoid run inside the kernels where they can

@@ -1,0 +1,106 @@
+"""Fused short causal depthwise convolution (+ SiLU) on Triton: autograd Function and launches.
+
+Forward: one kernel (conv + SiLU, fp32 accumulation, output in x's dtype); it keeps no
+pre-activation, the backward recomputes it. Backward: with SiLU a kernel writes the pre-activation
+gradient dy = dout * silu'(y); then one kernel writes dx and per-program fp32 partial sums of
+dweight ([programs along B*T, W, C], about 1/8 of x's bytes for bf16 at BT=64), summed here in
+torch: no atomics, so the gradients are deterministic. Triton is imported on first use, so this
+module imports without it (``moe_lc.ops.short_conv.short_conv`` is the public entry point).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+MAX_WIDTH = 8  # taps are unrolled in the kernels
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Launch choices: [BT, BC] tiles, C (contiguous) along BC, so a bf16 tile row is one 128-byte line.
+# Memory-bound: each program issues all W shifted loads at once (x is read from DRAM ~once, the
+# overlap hits L1/L2). 16 elements a thread (64 x 64 at 8 warps) keeps registers low without
+# spills; sm_90 compile, W=4, bf16: forward 64 registers, SiLU backward 78, dx/dweight 102 (fp32:
+# 62, 63, 148); 64 x 128 at 4 warps took 198-214 and spilled in fp32. Grid at B=8, T=4K, C=2K:
+# 16384 programs a kernel; BT=64 keeps the dweight partials at 1/8 of x's bf16 bytes.
+TUNING = dict(fwd_bt=64, fwd_bc=64, fwd_warps=8, bwd_bt=64, bwd_bc=64, bwd_warps=8)
+
+
+def _blocks(T: int, C: int, prefix: str) -> tuple[int, int, int]:
+    """(BT, BC, warps) for a launch, shrunk to the next power of two of small T or C."""
+    import triton
+
+    bt = min(TUNING[f"{prefix}_bt"], triton.next_power_of_2(T))
+    bc = min(TUNING[f"{prefix}_bc"], triton.next_power_of_2(C))
+    return bt, bc, TUNING[f"{prefix}_warps"]
+
+
+class _ShortConvFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, pos: Optional[Tensor], silu: bool) -> Tensor:
+        import triton
+
+        from moe_lc_kernels import short_conv_triton as kt
+
+        B, T, C = x.shape
+        W = weight.shape[1]
+        y = torch.empty_like(x)
+        bt, bc, warps = _blocks(T, C, "fwd")
+        kt.short_conv_fwd_kernel[(triton.cdiv(T, bt), triton.cdiv(C, bc), B)](
+            x, weight, pos if pos is not None else x, y, T, C, W=W, BT=bt, BC=bc,
+            HAS_DOCS=pos is not None, SILU=silu, num_warps=warps)
+        ctx.save_for_backward(x, weight, pos)
+        ctx.silu = silu
+        return y
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        import triton
+
+        from moe_lc_kernels import short_conv_triton as kt
+
+        x, weight, pos = ctx.saved_tensors
+        B, T, C = x.shape
+        W = weight.shape[1]
+        has_docs = pos is not None
+        pos_arg = pos if has_docs else x
+        dout = dout.contiguous()
+        if ctx.silu:
+            # dy in x's dtype, as torch autograd keeps silu's input gradient: one rounding (2^-9
+            # relative in bf16) before fp32 accumulation, at half the bytes of an fp32 buffer that
+            # is written once and read W times by the next kernel.
+            dy = torch.empty_like(x)
+            bt, bc, warps = _blocks(T, C, "fwd")
+            kt.short_conv_bwd_silu_kernel[(triton.cdiv(T, bt), triton.cdiv(C, bc), B)](
+                x, weight, pos_arg, dout, dy, T, C, W=W, BT=bt, BC=bc, HAS_DOCS=has_docs, num_warps=warps)
+        else:
+            dy = dout.to(x.dtype)
+        bt, bc, warps = _blocks(T, C, "bwd")
+        t_blocks = triton.cdiv(T, bt)
+        dx = torch.empty_like(x)
+        dw_part = torch.empty(B * t_blocks, W, C, device=x.device, dtype=torch.float32)
+        kt.short_conv_bwd_kernel[(t_blocks, triton.cdiv(C, bc), B)](
+            x, weight, pos_arg, dy, dx, dw_part, T, C, W=W, BT=bt, BC=bc, HAS_DOCS=has_docs, num_warps=warps)
+        dweight = dw_part.sum(0).t().contiguous().to(weight.dtype)
+        return dx, dweight, None, None
+
+
+def short_conv_triton(x: Tensor, weight: Tensor, pos: Optional[Tensor] = None, silu: bool = True) -> Tensor:
+    """act(causal depthwise conv) of x [B, T, C] with weight [C, W], output in x's dtype.
+
+    ``pos``: int32 [T] position of every token in its document (packed documents; B == 1), or
+    None for one sequence per row. Use ``moe_lc.ops.short_conv.short_conv``, which checks the
+    inputs and turns cu_seqlens into ``pos``.
+    """
+    if x.dtype not in DTYPES or weight.dtype not in DTYPES:
+        raise ValueError(f"short_conv_triton: x and weight must be fp32/bf16/fp16, got {x.dtype}, {weight.dtype}")
+    if weight.shape[1] > MAX_WIDTH:
+        raise ValueError(f"short_conv_triton: at most {MAX_WIDTH} taps, got W = {weight.shape[1]}")
+    if pos is not None and (pos.dtype != torch.int32 or pos.shape != (x.shape[1],)):
+        raise ValueError(f"short_conv_triton: pos must be int32 [T = {x.shape[1]}], got {pos.dtype} {tuple(pos.shape)}")
+    if x.numel() == 0:  # nothing to launch; keep autograd's shapes right
+        from moe_lc.ops.short_conv import causal_depthwise_conv
+
+        y = causal_depthwise_conv(x, weight.to(x.dtype))
+        return torch.nn.functional.silu(y) if silu else y
+    return _ShortConvFunction.apply(x.contiguous(), weight.contiguous(), pos, silu)
