@@ -16,6 +16,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from moe_lc.ops.documents import remember_host_bounds, upload
+
 IGNORE_INDEX = -100
 FIRST_BUCKET = 64
 LOGIT_CHUNK = 8192  # positions per fp32 cross-entropy chunk (bounds the upcast's memory)
@@ -102,8 +104,9 @@ def evaluate_stage(
         parts, total, count = [], 0.0, 0
         for i in range(sequences):
             batch = collate([eval_dataset[i]])
+            input_ids, cu_seqlens = _on_device(batch, device)
             with autocast():
-                out = model(batch.input_ids.to(device), cu_seqlens=batch.cu_seqlens.to(device))
+                out = model(input_ids, cu_seqlens=cu_seqlens)
             losses = token_losses(out.logits, batch.labels)
             positions = positions_in_documents(batch.cu_seqlens, batch.input_ids.shape[1])
             parts.append(bucket_losses(losses, batch.labels, positions, seq_len))
@@ -116,14 +119,23 @@ def evaluate_stage(
         if passkey_documents > 0:
             docs = synthetic_documents("passkey", passkey_documents, seq_len, seed=seed, tokenizer=tokenizer)
             batch = answer_batch(docs)
+            input_ids, cu_seqlens = _on_device(batch, device)
             with autocast():
-                out = model(batch.input_ids.to(device), cu_seqlens=batch.cu_seqlens.to(device))
+                out = model(input_ids, cu_seqlens=cu_seqlens)
             scores = score_answers(_full(out.logits), batch)
             result["passkey_loss"] = scores["answer_loss"]
             result["passkey_accuracy"] = scores["answer_accuracy"]
     finally:
         model.train(was_training)
     return result
+
+
+def _on_device(batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, cu_seqlens) on ``device`` without stream syncs: pinned uploads, and the host copy
+    of the boundaries handed to the layers (as the training step does)."""
+    cu_seqlens = upload(batch.cu_seqlens, device)
+    remember_host_bounds(cu_seqlens, batch.cu_seqlens.tolist())
+    return upload(batch.input_ids, device), cu_seqlens
 
 
 def describe_eval(result: dict[str, Any]) -> Optional[str]:
