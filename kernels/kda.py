@@ -17,9 +17,10 @@ This is the algebra of context parallelism (KCP) inside one device. Backward mir
 
 Memory: the forward saves the inputs, the segment start states and transitions (fp32), the row
 norms (8 bytes a row and head) and, with ``save_prep="inverse"`` (default), Aqk and the UT inverse
-X; never per-chunk states. The backward holds per-chunk states and state gradients (fp32 by
-default: 2 * T/64 * H * K * V * 4 bytes, 8.6 GB at T=256K, H=16, K=V=128), the in-chunk cumsum G
-(one fp32 [T, H, K], 2.1 GB there) and [T, H, K] fp32 scratch only while one layer's backward runs.
+X; never per-chunk states. The backward holds per-chunk states (bf16 by default) and state
+gradients (fp32): T/64 * H * K * V * (2 + 4) bytes, 6.4 GB at T=256K, H=16, K=V=128), the in-chunk
+cumsum G (one fp32 [T, H, K], 2.1 GB there) and [T, H, K] fp32 scratch only while one layer's
+backward runs (``bwd_states`` in TUNING).
 
 Plans (chunk and segment tables) are cached per (lengths, device, segments) and uploaded in one
 pinned, non-blocking copy: a copy from pageable memory synchronised the stream on every call and
@@ -604,6 +605,11 @@ MAX_TRAINING_HEAD_DIM = 128
 def kernel_head_dim_ok(dim: int) -> bool:
     """Head dims the kernels take: powers of two in [16, 256]."""
     return 16 <= dim <= 256 and dim & (dim - 1) == 0
+
+
+def training_dims_ok(key_dim: int, value_dim: int) -> bool:
+    """Head dims the kernels take and have been run forward and backward on a GPU with."""
+    return all(kernel_head_dim_ok(d) and d <= MAX_TRAINING_HEAD_DIM for d in (key_dim, value_dim))
 
 
 def gate_is_bounded(g: Tensor) -> bool:

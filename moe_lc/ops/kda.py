@@ -314,10 +314,9 @@ def _triton_backend(q, k, v, g, beta, scale, initial_state, output_final_state, 
     """moe_lc_kernels' Triton kernels. Inputs they cannot take (unbounded gates, head dims that are
     not powers of two in [16, 128], the largest run on a GPU) go to fla when it is installed, else
     to the torch reference."""
-    from moe_lc_kernels.kda import MAX_TRAINING_HEAD_DIM, chunk_kda_triton, gate_is_bounded, kernel_head_dim_ok
+    from moe_lc_kernels.kda import chunk_kda_triton, gate_is_bounded, training_dims_ok
 
-    dims_ok = kernel_head_dim_ok(q.shape[-1]) and kernel_head_dim_ok(v.shape[-1])
-    if not (gate_is_bounded(g) and dims_ok and max(q.shape[-1], v.shape[-1]) <= MAX_TRAINING_HEAD_DIM):
+    if not (gate_is_bounded(g) and training_dims_ok(q.shape[-1], v.shape[-1])):
         fla = _BACKENDS.get("fla")
         fallback = fla[0] if fla is not None and fla[1](q) else chunk_kda_torch
         return fallback(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)

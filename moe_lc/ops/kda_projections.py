@@ -11,6 +11,8 @@ and ``fla`` flash-linear-attention's ``chunk_kda`` with its in-kernel norm, gate
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
@@ -40,11 +42,10 @@ _torch = _composed
 
 def _triton(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state,
             cu_seqlens):
-    from moe_lc_kernels.kda import GATE_SPAN_LIMIT, MAX_TRAINING_HEAD_DIM, chunk_kda_fused, kernel_head_dim_ok
+    from moe_lc_kernels.kda import GATE_SPAN_LIMIT, chunk_kda_fused, training_dims_ok
 
-    dims = (q.shape[-1], v.shape[-1])
     if (lower_bound is None or not -GATE_SPAN_LIMIT <= lower_bound < 0
-            or not all(kernel_head_dim_ok(d) and d <= MAX_TRAINING_HEAD_DIM for d in dims)):
+            or not training_dims_ok(q.shape[-1], v.shape[-1])):
         fallback = _fla if _fla_available(q) and lower_bound is not None else _torch
         return fallback(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state,
                         output_final_state, cu_seqlens)
@@ -96,21 +97,19 @@ def chunk_kda_from_projections(
     :func:`kda_gate`: bounded with ``lower_bound``, softplus with None) and beta logits [B, T, H].
     Returns ``(o, final_state or None)`` like :func:`chunk_kda`; differentiable in every tensor."""
     if backend == "auto":
-        name = next(n for n in _BACKENDS if _BACKENDS[n][1](q))
+        impl = next(fn for fn, supports in _BACKENDS.values() if supports(q))
     elif backend in _BACKENDS:
-        name = backend
-        if not _BACKENDS[name][1](q):
-            raise NotImplementedError(f'chunk_kda_from_projections: backend "{name}" is not available for these inputs '
-                                      f'({q.device}, {q.dtype}; it needs CUDA and its package); use "torch" or "auto"')
+        impl, supports = _BACKENDS[backend]
+        if not supports(q):
+            raise NotImplementedError(f'chunk_kda_from_projections: backend "{backend}" is not available for these '
+                                      f'inputs ({q.device}, {q.dtype}; it needs CUDA and its package); use "torch" or '
+                                      f'"auto"')
     elif backend in available_kda_backends():  # a kernel registered with register_kda_backend
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        out, final = _composed(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state,
-                               output_final_state, cu_seqlens, kda_backend=backend)
-        return out.to(v.dtype), final
+        impl = partial(_composed, kda_backend=backend)
     else:
         raise ValueError(f'chunk_kda_from_projections: unknown backend "{backend}"; choose one of '
                          f'{["auto", *dict.fromkeys([*_BACKENDS, *available_kda_backends()])]}')
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out, final = _BACKENDS[name][0](q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state,
-                                    output_final_state, cu_seqlens)
+    out, final = impl(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state,
+                      cu_seqlens)
     return out.to(v.dtype), final
