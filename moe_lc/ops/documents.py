@@ -4,7 +4,7 @@ host tables and batches that do not wait for the GPU.
 Several layers need the boundaries on the host: the KDA checks and kernel plans, attention split
 by documents. Copying a device tensor back waits for all queued GPU work, so one copy per layer
 and call stops the host from running ahead of the GPU. The trainer hands over the host copy it
-already has (:func:`remember_host_bounds`); otherwise the first call copies and later calls reuse
+already has (:func:`upload_bounds`, :func:`remember_host_bounds`); otherwise the first call copies and later calls reuse
 the copy while the tensor is the same object, unmodified.
 """
 
@@ -42,3 +42,11 @@ def upload(host: Tensor, device: torch.device) -> Tensor:
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def upload_bounds(cu_seqlens: Tensor, device: torch.device) -> Tensor:
+    """Host ``cu_seqlens`` on ``device`` (:func:`upload`), its host copy remembered so that no layer
+    copies it back."""
+    on_device = upload(cu_seqlens, device)
+    remember_host_bounds(on_device, cu_seqlens.tolist())
+    return on_device

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from moe_lc.ops.documents import remember_host_bounds, upload
+from moe_lc.ops.documents import upload, upload_bounds
 
 IGNORE_INDEX = -100
 FIRST_BUCKET = 64
@@ -133,9 +133,7 @@ def evaluate_stage(
 def _on_device(batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(input ids, cu_seqlens) on ``device`` without stream syncs: pinned uploads, and the host copy
     of the boundaries handed to the layers (as the training step does)."""
-    cu_seqlens = upload(batch.cu_seqlens, device)
-    remember_host_bounds(cu_seqlens, batch.cu_seqlens.tolist())
-    return upload(batch.input_ids, device), cu_seqlens
+    return upload(batch.input_ids, device), upload_bounds(batch.cu_seqlens, device)
 
 
 def describe_eval(result: dict[str, Any]) -> Optional[str]:

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from moe_lc.ops.documents import remember_host_bounds, upload
+from moe_lc.ops.documents import upload, upload_bounds
 from moe_lc.optim import OptimConfig, apply_lr
 from moe_lc.train.model_setup import ModelState
 from moe_lc.train.runtime import Runtime
@@ -51,8 +51,7 @@ def train_step(
     last = len(micro_batches) - 1
     for i, batch in enumerate(micro_batches):
         state.set_gradient_sync(i == last)
-        cu_seqlens = upload(batch.cu_seqlens, device)
-        remember_host_bounds(cu_seqlens, batch.cu_seqlens.tolist())  # no layer copies it back
+        cu_seqlens = upload_bounds(batch.cu_seqlens, device)
         with autocast():
             out = model(
                 upload(batch.input_ids, device),
