@@ -1,7 +1,9 @@
 """Named model presets (SPEC 2.7).
 
 `k3` and `kimi-linear-48b` are for planning (accounting, meta-device builds, layout
-checks); `proxy` is sized to train on one H200 with realistic shapes; `tiny` is for CI.
+checks); `k3-small` keeps K3's shape ratios at a size that fills one H200 (honest MFU
+figures need GEMMs of realistic width); `proxy` is a smaller model with realistic head and
+expert shapes that trains fast on one GPU; `tiny` is for CI.
 """
 
 from __future__ import annotations
@@ -42,6 +44,23 @@ def _proxy() -> ModelConfig:
     )
 
 
+def _k3_small() -> ModelConfig:
+    """K3's ratios at d_model 2048: 3:1 KDA:MLA, head dim 128, 64 experts top-8, latent d/2,
+    expert hidden ~0.86 latent, two shared experts, dense FFN ~2.6 d: 4.3B total / 1.27B active."""
+    return ModelConfig(
+        name="k3-small",
+        d_model=2048,
+        num_layers=20,
+        vocab_size=65536,
+        kda=KDAConfig(num_heads=16, head_dim=128),
+        mla=MLAConfig(num_heads=16, q_lora_rank=512, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_dim=128),
+        attn_res=AttnResConfig(mode="block", block_size=4),
+        moe=MoEConfig(
+            num_routed=64, top_k=8, num_shared=2, latent_dim=1024, expert_hidden=896, dense_hidden=5376
+        ),
+    )
+
+
 def _kimi_linear_48b() -> ModelConfig:
     return ModelConfig(
         name="kimi-linear-48b",
@@ -78,6 +97,7 @@ def _k3() -> ModelConfig:
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny": _tiny,
     "proxy": _proxy,
+    "k3-small": _k3_small,
     "kimi-linear-48b": _kimi_linear_48b,
     "k3": _k3,
 }

@@ -7,15 +7,18 @@ Conventions (also printed by `moe-lc info`):
   k routed experts per MoE layer (of n), the LM head, but not the embedding table (a
   lookup, not a matmul) and not the MTP layer (a training-time extra);
 - training FLOPs per token: 6 x active matmul parameters (forward + backward) plus the
-  sequence-length-dependent token mixing: causal softmax attention over an average
-  context of (T+1)/2 keys, and the KDA chunked recurrence (state read/update per token and
-  the intra-chunk work with chunk C = 64).
+  sequence-length-dependent token mixing: causal softmax attention over the keys each query
+  really sees (attention stops at document ends: a packed row of documents of lengths L_i
+  attends to sum_i L_i (L_i + 1) / 2 keys, not T (T + 1) / 2), and the KDA chunked recurrence
+  (state read/update per token and the intra-chunk work with chunk C = 64).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Optional
 
 from moe_lc.config import ModelConfig
 
@@ -104,10 +107,23 @@ def count_parameters(cfg: ModelConfig) -> ParamReport:
     return ParamReport(total=sum(comp.values()), active=sum(act.values()), by_component=comp, active_by_component=act)
 
 
-def mixing_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Forward FLOPs per token of the sequence-dependent token mixing (not in the parameter count)."""
+def causal_keys_per_token(doc_lengths: Iterable[int]) -> float:
+    """Mean number of keys a query attends to under causal attention within documents."""
+    lengths = [int(n) for n in doc_lengths if n > 0]
+    tokens = sum(lengths)
+    if tokens == 0:
+        return 0.0
+    return sum(n * (n + 1) / 2 for n in lengths) / tokens
+
+
+def mixing_flops_per_token(cfg: ModelConfig, seq_len: int, keys_per_token: Optional[float] = None) -> float:
+    """Forward FLOPs per token of the sequence-dependent token mixing (not in the parameter count).
+
+    keys_per_token: mean keys per query (:func:`causal_keys_per_token` of the batch's documents);
+    None means one document per sequence, (seq_len + 1) / 2.
+    """
     m, k = cfg.mla, cfg.kda
-    avg_keys = (seq_len + 1) / 2
+    avg_keys = (seq_len + 1) / 2 if keys_per_token is None else keys_per_token
     mla = 2 * m.num_heads * (m.qk_dim + m.v_dim) * avg_keys
     K = V = k.head_dim
     c = min(KDA_CHUNK, seq_len)
@@ -120,8 +136,11 @@ def mixing_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return n_mla * mla + n_kda * kda
 
 
-def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Forward + backward FLOPs per token: 3 x (2 x active matmul params + token mixing)."""
+def training_flops_per_token(cfg: ModelConfig, seq_len: int, keys_per_token: Optional[float] = None) -> float:
+    """Forward + backward FLOPs per token: 3 x (2 x active matmul params + token mixing).
+
+    keys_per_token as in :func:`mixing_flops_per_token` (None: one document per sequence).
+    """
     rep = count_parameters(cfg)
     matmul_active = rep.active - rep.active_by_component["norms_and_attn_res"]
-    return 3.0 * (2.0 * matmul_active + mixing_flops_per_token(cfg, seq_len))
+    return 3.0 * (2.0 * matmul_active + mixing_flops_per_token(cfg, seq_len, keys_per_token))
