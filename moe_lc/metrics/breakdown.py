@@ -1,0 +1,148 @@
+"""Where a training step's time goes, by model component, read from the PyTorch profiler.
+
+Forward: every component module runs inside a profiler range ``moe_lc::<component>`` (forward
+hooks; nothing in the model changes). Backward: autograd nodes carry the sequence number of the
+forward op that created them, so a backward kernel is charged to the component whose range held
+that forward op. A kernel is charged to the innermost component; NCCL kernels are
+"communication"; whatever has no component is "other". On a GPU the times are kernel (device)
+times; on a CPU they are the ops' own CPU times.
+
+Components: kda, mla, attn_res (depth mixing), router_dispatch (router, balancer, latent
+projections, sort, gather, combine), experts (routed expert GEMMs and activation),
+shared_experts, dense_ffn, norms, loss (LM head and cross-entropy, MTP), plus the regions the
+step loop opens itself with :func:`region`: optimizer, data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.autograd.profiler import record_function
+
+from moe_lc.model.attn_res import DepthMixer
+from moe_lc.model.ffn import GatedFFN
+from moe_lc.model.kda import KDAttention
+from moe_lc.model.mla import GatedMLA
+from moe_lc.model.moe import LatentMoE, RoutedExperts
+from moe_lc.model.norm import RMSNorm
+
+PREFIX = "moe_lc::"
+COMMUNICATION = "communication"
+OTHER = "other"
+BACKWARD_NODE = "autograd::engine::evaluate_function: "
+
+
+def component_of(module: nn.Module, parent: Optional[nn.Module]) -> Optional[str]:
+    """The component a module's work is charged to (None: its parent's)."""
+    if isinstance(module, KDAttention):
+        return "kda"
+    if isinstance(module, GatedMLA):
+        return "mla"
+    if isinstance(module, DepthMixer):
+        return "attn_res"
+    if isinstance(module, LatentMoE):
+        return "router_dispatch"
+    if isinstance(module, RoutedExperts):
+        return "experts"
+    if isinstance(module, GatedFFN):
+        return "shared_experts" if isinstance(parent, LatentMoE) else "dense_ffn"
+    if isinstance(module, RMSNorm) and not isinstance(parent, (KDAttention, GatedMLA, LatentMoE, DepthMixer)):
+        return "norms"
+    return None
+
+
+@contextlib.contextmanager
+def region(name: str) -> Iterator[None]:
+    """A profiler range for work outside the model (``optimizer``, ``data``, ``loss``)."""
+    with record_function(PREFIX + name):
+        yield
+
+
+@contextlib.contextmanager
+def component_ranges(model: nn.Module) -> Iterator[None]:
+    """Open a ``moe_lc::<component>`` profiler range around every component module's forward."""
+    handles = []
+    open_ranges: dict[int, list[Any]] = defaultdict(list)
+
+    def enter(name: str, key: int):
+        def hook(module: nn.Module, args: Any) -> None:
+            r = record_function(PREFIX + name)
+            r.__enter__()
+            open_ranges[key].append(r)
+        return hook
+
+    def leave(key: int):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            open_ranges[key].pop().__exit__(None, None, None)
+        return hook
+
+    parents = {id(child): mod for mod in model.modules() for child in mod.children()}
+    lm_head = getattr(model, "lm_head", None)
+    for module in model.modules():
+        name = "loss" if module is lm_head else component_of(module, parents.get(id(module)))
+        if name is None:
+            continue
+        handles.append(module.register_forward_pre_hook(enter(name, id(module))))
+        handles.append(module.register_forward_hook(leave(id(module))))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _own_component(event: Any) -> Optional[str]:
+    name = event.name
+    return name[len(PREFIX):] if name.startswith(PREFIX) else None
+
+
+def _innermost(event: Any) -> Optional[str]:
+    e = event
+    while e is not None:
+        c = _own_component(e)
+        if c is not None:
+            return c
+        e = e.cpu_parent
+    return None
+
+
+def _backward_seq(event: Any) -> Optional[tuple[int, int]]:
+    """(forward thread, sequence number) of the autograd node an event runs under, if any."""
+    e = event
+    while e is not None:
+        if e.name.startswith(BACKWARD_NODE) and e.sequence_nr >= 0:
+            return e.fwd_thread, e.sequence_nr
+        e = e.cpu_parent
+    return None
+
+
+def breakdown(events: Any, device: bool) -> dict[str, float]:
+    """Milliseconds per component from a profiler's ``events()``; ``device``: kernel times (GPU)."""
+    forward_owner: dict[tuple[int, int], str] = {}
+    for e in events:
+        if e.sequence_nr >= 0 and not e.name.startswith(BACKWARD_NODE):
+            owner = _innermost(e)
+            if owner is not None:
+                forward_owner.setdefault((e.thread, e.sequence_nr), owner)
+    totals: dict[str, float] = defaultdict(float)
+    for e in events:
+        if device:
+            timed = [(k.name, k.duration) for k in e.kernels]
+        elif e.device_type == torch.autograd.DeviceType.CPU:
+            timed = [(e.name, e.self_cpu_time_total)]
+        else:
+            timed = []
+        if not timed:
+            continue
+        owner = _innermost(e)
+        if owner is None:
+            seq = _backward_seq(e)
+            owner = forward_owner.get(seq) if seq is not None else None
+        for name, us in timed:
+            totals[COMMUNICATION if "nccl" in name.lower() else owner or OTHER] += us / 1e3
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
