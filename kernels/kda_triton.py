@@ -1,4 +1,4 @@
-r"""Triton kernels for chunked KDA (SPEC 2.2), forward and backward.
+r"""Triton kernels for chunked KDA (docs/design.md §2.6), forward and backward.
 
 Per head, per chunk of C = 64 tokens entered with state S (K x V), with G the in-chunk cumulative
 log-decay, Gamma = exp(G), b = beta and q pre-scaled by ``scale``:
@@ -29,7 +29,7 @@ Kernels (one launch each):
                       key side (UT backward; score-tile products; cumsum, gate, L2-norm and beta).
 Work that needs all 64 rows of a chunk at once (cumsums, the UT transform) stays in per-chunk
 programs; the score products run one 16-row tile per program, so few registers and many programs
-per SM hide the latency of the small products (kernels/NOTES.md, session 7). Grids are 1-D with the
+per SM hide the latency of the small products (docs/performance.md §4.3). Grids are 1-D with the
 programs of one chunk adjacent (``_program_split``), so the rows they share come from L2.
 
 The bounded gate is what makes the score matrices one dense matmul per 16-token tile: for key tile
@@ -88,7 +88,8 @@ def _program_split(R: tl.constexpr, H):
     """(chunk, head, part) of a 1-D grid over chunks x heads x R parts, the part fastest, then the
     head: the programs of one chunk run together, so the rows they share come from L2 (on (chunk,
     head, part) grids they were a whole grid plane apart and came from DRAM each time: 9.30 ->
-    8.44 ms forward+backward at B=8,T=4K), and neighbouring heads share DRAM pages."""
+    8.44 ms forward+backward at B=8,T=4K; docs/performance.md §4.8), and neighbouring heads share DRAM
+    pages."""
     pid = tl.program_id(0)
     part = pid % R
     ch = pid // R
@@ -574,7 +575,7 @@ def _bwd_vside_kernel(v, beta, chunk_bos, chunk_eos, x_in, delta, states, dh, dd
 # Three kernels: the work that spans a chunk's 64 rows (_bwd_kside_chunk_kernel), the score-tile
 # products one 16-row tile at a time (_bwd_kside_tile_kernel), then the reverse cumsum with the
 # gate, L2-norm and beta backward (_bwd_kside_gate_kernel). One fused program per chunk held every
-# [64, BK] operand at once: 255 registers, 2 programs per SM, latency-bound (kernels/NOTES.md).
+# [64, BK] operand at once: 255 registers, 2 programs per SM, latency-bound (docs/performance.md §4.3).
 @triton.jit
 def _bwd_kside_chunk_kernel(k, beta, chunk_bos, chunk_eos, x_in, dw_in, dt_in, gcum, rnorm, db_part,
                             H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
@@ -628,7 +629,7 @@ def _bwd_kside_tile_kernel(q, k, beta, chunk_bos, chunk_eos, gcum, rnorm, dqg_in
     key tiles j <= i; as keys, tile i against row tiles i2 >= i. The pair (i2, j) is formed once in
     each role, by two programs, from the same operands: at tf32 they are rounded (b K F, Q F and
     K / Gamma, F = exp(G - rho_j)) so both see equal terms and the pairs cancel in dG (left to the
-    tensor cores, d dt_bias was 2-3e-2 from float64). Then the d(Gamma Q), d(Gamma K) and
+    tensor cores, d dt_bias was 2-3e-2 from float64; docs/performance.md §4.5). Then the d(Gamma Q), d(Gamma K) and
     d(Gamma_C / Gamma K) terms, for dq, dk (unnormalised with L2NORM) and dG (over step 1's
     d(Gamma K) in the dW scratch); partial row sums per column block (d b, the L2-norm products) and
     the column sum of the Gamma_C term per tile go to small buffers for step 3.

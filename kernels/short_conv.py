@@ -19,10 +19,10 @@ MAX_WIDTH = 8  # taps are unrolled in the kernels
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Launch choices: [BT, BC] tiles, C (contiguous) along BC, so a bf16 tile row is one 128-byte line.
 # Memory-bound: each program issues all W shifted loads at once (x is read from DRAM ~once, the
-# overlap hits L1/L2). Measured on an H200 ([8, 4096, 2048] bf16, W=4, conv + SiLU, kernels/NOTES.md
-# session 9 calls I/J): forward and SiLU backward 64 x 64 at 4 warps, dx/dweight 128 x 64 at 4
-# warps: f+b 0.63 ms (64 x 64 at 8 warps everywhere: 0.92; torch: 5.57). The fwd_* choices also
-# launch the SiLU backward kernel.
+# overlap hits L1/L2). Measured on an H200 ([8, 4096, 2048] bf16, W=4, conv + SiLU; the other
+# choices tried: docs/performance.md §8): forward and SiLU backward 64 x 64 at 4 warps, dx/dweight
+# 128 x 64 at 4 warps: f+b 0.63 ms (64 x 64 at 8 warps everywhere: 0.92; torch: 5.57). The fwd_*
+# choices also launch the SiLU backward kernel.
 TUNING = dict(fwd_bt=64, fwd_bc=64, fwd_warps=4, bwd_bt=128, bwd_bc=64, bwd_warps=4)
 
 

@@ -249,7 +249,7 @@ class KDABackend(Protocol):
 _BACKENDS: dict[str, tuple[KDABackend, Callable[[Tensor], bool]]] = {}
 # Names reserved for kernels that are planned but not shipped yet, and the order "auto" tries.
 _PLANNED_BACKENDS = ("triton", "fla")
-# Triton first: measured on one H200 (docs/performance.md, session 9, same run), the Triton kernels
+# Triton first: measured on one H200 (docs/performance.md §3, same run), the Triton kernels
 # beat fla 0.6.0 forward+backward at every benchmark shape: 1.02x at B=8,T=4K and at B=2,T=8K,H=64,
 # 1.03x at B=2,T=16K, 1.10x on 24 packed documents, 1.25x / 1.30x at B=1,T=64K / 256K. Inputs the
 # kernels cannot take (see _triton_backend) go to fla when it is installed.

@@ -2,8 +2,12 @@
 training step runs it (projections, short convolutions, KDA, output gate and norm), per op backend
 and with the layer's fused paths switched off one by one, as controls in the same run.
 
-    python kernels/bench/bench_layer.py [--shapes B8_T4K,varlen_64K] [--d-model 2048] [--backends triton,fla]
-                                        [--profile N]   # the N kernels with the most CUDA time, per shape
+Run from the repository root with the package installed (``pip install -e .``; fla optional):
+
+    python benchmarks/bench_layer.py [--shapes B8_T4K,varlen_64K] [--d-model 2048] [--backends triton,fla]
+                                     [--profile N]   # the N kernels with the most CUDA time, per shape
+
+Shapes and inputs are those of ``bench_kda.py`` (same directory).
 
 Variants (for the first backend): ``torch conv`` (the short convolutions and SiLU in plain PyTorch),
 ``unfused norm/gate`` (L2 norm, gate and beta sigmoid in PyTorch, then ``chunk_kda``), ``previous
@@ -19,13 +23,11 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-sys.path.insert(0, "kernels/bench")
-import bench_kda as b  # noqa: E402
-
-import moe_lc.model.kda as layer_module  # noqa: E402
-from moe_lc.config import KDAConfig  # noqa: E402
-from moe_lc.model.kda import KDAttention  # noqa: E402
-from moe_lc.ops import kda_projections  # noqa: E402
+import bench_kda as b  # this script's directory is on sys.path when it runs as a script
+import moe_lc.model.kda as layer_module
+from moe_lc.config import KDAConfig
+from moe_lc.model.kda import KDAttention
+from moe_lc.ops import kda_projections
 
 
 @contextmanager

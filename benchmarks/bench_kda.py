@@ -1,16 +1,25 @@
 """Check and time chunked KDA on one GPU: ours (Triton), fla 0.6.0 (when installed), torch reference.
 
-    python kernels/bench/bench_kda.py [--out DIR] [--no-torch] [--no-check] [--seg-sweep] [--shapes NAME,...]
+Run from the repository root with the package installed (``pip install -e .``; optionally
+``pip install fla-core==0.6.0`` for the baseline):
+
+    python benchmarks/bench_kda.py [--out DIR] [--no-torch] [--no-check] [--shapes NAME,...]
+                                   [--variants 'key=value,...;...'] [--seg-sweep] [--fla-fuzz N]
 
 Everything runs with the raw-projection API (in-kernel L2 norm, bounded gate, beta sigmoid), bf16
 inputs, H=16 and d=128 unless the shape says otherwise. Per shape it
-1. checks ours (outputs poisoned with NaN first) against a reference: float64 torch chunk
-   reference at small shapes (the fuzz) and the fp32 torch chunk reference at benchmark shapes
-   (float64 would take minutes there), forward output, final state and every gradient;
-2. times forward and forward+backward with ``triton.testing.do_bench`` (median);
-3. prints ms, tokens/s, the ratio to fla and the fraction of the memory/compute floor, where the
-   floor uses the copy bandwidth and bf16 matmul rate measured at the start of the same run.
-Results go to ``DIR/bench_kda.json`` as well.
+1. times forward and forward+backward with ``triton.testing.do_bench`` (median) and prints ms,
+   tokens/s, the ratio to fla and the fraction of the memory/compute floor, where the floor uses
+   the copy bandwidth and bf16 matmul rate measured at the start of the same run;
+2. checks ours (free memory poisoned with NaN first) against a reference: the fp32 torch chunk
+   reference at the benchmark shapes, and the float64 one on a fuzz of small random cases
+   (lengths, documents, initial states, segmentations), forward output, final state and every
+   gradient;
+3. optionally times launch-choice variants (``--variants``, TUNING overrides of
+   ``moe_lc_kernels.kda``, each against the defaults in the same run) and segment sizes
+   (``--seg-sweep``).
+Results, the launch choices used and every compiled kernel's registers / spills / shared memory go
+to ``DIR/bench_kda.json`` as well. ``--help`` lists every option.
 """
 
 from __future__ import annotations
@@ -267,7 +276,7 @@ def bench_shape(name, impls, bandwidth, flops, device, with_torch):
             fb_ms = time_fn(run)
         result[label] = {"fwd_ms": fwd_ms, "fwdbwd_ms": fb_ms}
         print(f"bench {name} {label}: fwd {fwd_ms:.2f} ms, fwd+bwd {fb_ms:.2f} ms [{time.time() - started:.0f} s]",
-              flush=True)  # before a timeout (two device calls printed no table row within 270 s)
+              flush=True)  # per row, so that a run cut short by a time limit still reports what it timed
         torch.cuda.empty_cache()
     for kind, backward in (("fwd_ms", False), ("fwdbwd_ms", True)):
         fl, bound = floor_ms(batch, seq_len, heads, dim, backward, bandwidth, flops)

@@ -1,9 +1,12 @@
 """Per-kernel time breakdown of chunked KDA (ours and fla) with the torch profiler.
 
-    python kernels/bench/profile_kda.py [--shapes B8_T4K,B1_T64K] [--impls ours,fla] [--budget-s 400]
+Run from the repository root with the package installed (``pip install -e .``; fla optional):
 
-Prints, per shape and implementation, the CUDA time of every kernel over a few forward+backward
-iterations: which kernel the time goes to (the prep, the state passes, the backward intra kernel).
+    python benchmarks/profile_kda.py [--shapes B8_T4K,B1_T64K] [--impls ours,fla] [--iters 3] [--budget-s 400]
+
+Prints, per shape and implementation, the CUDA time of every kernel per forward+backward
+iteration (averaged over ``--iters``): which kernel the time goes to. Shapes and inputs are those
+of ``bench_kda.py`` (same directory); ``--budget-s`` stops before a shape that would start later.
 """
 
 from __future__ import annotations
@@ -14,8 +17,7 @@ import time
 
 import torch
 
-sys.path.insert(0, "kernels/bench")
-import bench_kda as b  # noqa: E402
+import bench_kda as b  # this script's directory is on sys.path when it runs as a script
 
 
 def profile(fn, x, cu, iters: int) -> list[tuple[str, float, int]]:
