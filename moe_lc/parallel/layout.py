@@ -158,7 +158,7 @@ class ParallelLayout:
 
         Empty: it can run. Planning reports these; ``validate(runnable=True)`` refuses them.
         """
-        return [f"{what} ({dim}={getattr(self, dim)})" for dim, what in NOT_IMPLEMENTED.items() if getattr(self, dim) > 1]
+        return [f"{what} ({d}={getattr(self, d)})" for d, what in NOT_IMPLEMENTED.items() if getattr(self, d) > 1]
 
     def validate(
         self, model_cfg: Optional[ModelConfig] = None, seq_len: Optional[int] = None, runnable: bool = True
@@ -293,7 +293,9 @@ class ParallelLayout:
 
     def lowered_from(self, requested: "ParallelLayout") -> list[str]:
         """The degrees a fitted resolve lowered from what ``requested`` wrote, e.g. ``["cp 8 -> 2"]``."""
-        return [f"{d} {getattr(requested, d)} -> {getattr(self, d)}" for d in ("cp", "ep") if getattr(requested, d) != getattr(self, d)]
+        return [
+            f"{d} {getattr(requested, d)} -> {getattr(self, d)}" for d in ("cp", "ep") if getattr(requested, d) != getattr(self, d)
+        ]
 
     def as_dict(self) -> dict:
         """JSON-able fields (choices as their strings), e.g. for a checkpoint's trainer state."""

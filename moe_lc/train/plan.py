@@ -141,10 +141,10 @@ def plan_text(cfg: TrainConfig, world_size: int) -> str:
             f"  logits {est.logits_gib:6.2f}  => {est.total_gib:9.2f} | {est.total_recompute_gib:8.2f}"
             f"   ~{hours:,.1f} h on {p.layout.world_size} H200 at {PLAN_MFU:.0%} MFU"
         )
-    lowered = [f"{p.name} {', '.join(p.layout.lowered_from(p.requested))}" for p in plans if p.layout.lowered_from(p.requested)]
-    if lowered:
-        lines += ["", f"fitted to {world_size} rank(s): " + "; ".join(lowered)
-                  + " (layout.world_size=N plans for N ranks)"]
+    lowered = {p.name: p.layout.lowered_from(p.requested) for p in plans}
+    fitted = "; ".join(f"{name} {', '.join(changes)}" for name, changes in lowered.items() if changes)
+    if fitted:
+        lines += ["", f"fitted to {world_size} rank(s): {fitted} (layout.world_size=N plans for N ranks)"]
     missing = [f"{p.name}: {', '.join(p.layout.not_implemented())}" for p in plans if p.layout.not_implemented()]
     if missing:
         lines += ["", "not implemented yet in moe_lc.parallel (planned, cannot train): " + "; ".join(missing)]
