@@ -72,18 +72,11 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    """Train a recipe (Hydra overrides after `train`; see `moe-lc train --help`)."""
-    from moe_lc.train.main import run_train_cli
-
-    return run_train_cli(args.overrides)
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Validate a recipe and print its plan (= moe-lc train recipe=NAME plan_only=true)."""
-    from moe_lc.train.main import run_train_cli
+    """Validate every stage of a recipe and print its plan (memory, tokens, steps per stage)."""
+    from moe_lc.train.main import run_plan_cli
 
-    return run_train_cli([f"recipe={args.recipe}", "plan_only=true", *args.overrides])
+    return run_plan_cli(args.recipe, args.overrides)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -116,9 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--json-key", default="text", help="JSONL field holding the text (default: text)")
     prep.add_argument("--eod-token", default=None, help="end-of-document token of a tokenizer.json, if not standard")
     prep.set_defaults(func=cmd_prepare_data)
+    # listed for --help only: main() hands everything after `train` to Hydra before argparse sees it
     train = sub.add_parser("train", help="train a recipe: moe-lc train [recipe=NAME] [key=value ...] (Hydra)")
     train.add_argument("overrides", nargs=argparse.REMAINDER, help="recipe=NAME and Hydra overrides")
-    train.set_defaults(func=cmd_train)
     plan = sub.add_parser("plan", help="validate a recipe and print its plan (memory, tokens, steps per stage)")
     plan.add_argument("recipe", help="a recipe name, e.g. k3-8k (moe-lc train --list shows them)")
     plan.add_argument("overrides", nargs=argparse.REMAINDER, help="Hydra overrides, e.g. layout.tp=4")

@@ -1,7 +1,9 @@
-"""Layout validation, mesh construction and fail-fast behaviour (SPEC 3)."""
+"""Layout resolution and validation, mesh construction and fail-fast behaviour."""
 
 from __future__ import annotations
 
+import json
+import math
 import time
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 
 from moe_lc.config import ConfigError
 from moe_lc.parallel import ParallelLayout, build_mesh
+from moe_lc.parallel.layout import DPMode, ParamDType
 from moe_lc.presets import get_preset
 from parallel_harness import run_distributed
 
@@ -21,21 +24,100 @@ def tiny():
     "layout, world, needles",
     [
         (dict(tp=2, dp_shard=2), 8, ["needs 4 ranks", "world has 8", "dp_shard=4"]),
+        (dict(world_size=8), 2, ["layout.world_size=8", "world has 2", "layout.world_size=null"]),
+        (dict(tp=3), 8, ["pp*dp_replicate*tp", "= 3 does not divide", "8 rank(s)"]),
+        (dict(cp=3, world_size=8), 8, ["layout.cp=3", "= 3 does not divide"]),
+        (dict(tp=0), 1, ["layout.tp=0 must be a positive integer"]),
+        (dict(dp_shard=0), 1, ["layout.dp_shard=0", "or -1 (fill the world)"]),
+        (dict(world_size=0), 1, ["layout.world_size=0", "or null"]),
+    ],
+)
+def test_resolve_errors_name_the_field_and_the_fix(layout, world, needles):
+    with pytest.raises(ConfigError) as err:
+        ParallelLayout(**layout).resolve(world)
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(
+    "layout, world, needles",
+    [
         (dict(tp=3), 3, ["kda.num_heads=2", "tp=3"]),
         (dict(ep=3, dp_shard=3), 3, ["num_routed=8", "ep=3"]),
-        (dict(ep=4, dp_shard=2), 2, ["ep=4", "dp_shard*cp*tp=2*1*1=2"]),
+        (dict(ep=4, dp_shard=2), 2, ["layout.ep=4", "dp_shard*cp*tp=2*1*1=2"]),
         (dict(tp=2, sequence_parallel=False), 2, ["sequence_parallel=true"]),
-        (dict(pp=2), 2, ["pipeline parallelism is not implemented"]),
-        (dict(cp=2), 2, ["context parallelism is not implemented"]),
-        (dict(dp_mode="zero3"), 1, ["dp_mode='zero3'", "fsdp, zero1"]),
-        (dict(tp=0), 1, ["parallel.tp=0"]),
+        (dict(pp=2), 2, ["pipeline parallelism (pp=2) not implemented", "set pp to 1"]),
+        (dict(cp=2), 2, ["context parallelism (cp=2) not implemented", "set cp to 1"]),
     ],
 )
 def test_invalid_layouts_name_the_numbers_and_the_fix(layout, world, needles):
     with pytest.raises(ConfigError) as err:
-        ParallelLayout(**layout).validate(tiny(), world_size=world)
+        ParallelLayout(**layout).resolve(world).validate(tiny())
     for needle in needles:
         assert needle in str(err.value), str(err.value)
+
+
+def test_bad_choices_name_the_field_and_the_allowed_values():
+    with pytest.raises(ConfigError, match=r"layout.dp_mode='zero3': use one of fsdp, zero1"):
+        ParallelLayout(dp_mode="zero3")
+    with pytest.raises(ConfigError, match=r"layout.param_dtype='fp16': use one of auto, float32, bfloat16"):
+        ParallelLayout(param_dtype="fp16")
+    layout = ParallelLayout(dp_mode="zero1", param_dtype="bfloat16")
+    assert layout.dp_mode is DPMode.zero1 and layout.param_dtype is ParamDType.bfloat16
+    assert layout.dp_mode == "zero1" and f"{layout.param_dtype}" == "bfloat16"
+
+
+def test_an_unpinned_layout_fits_cp_and_ep_to_the_world():
+    """cp, then ep, become the largest divisor of the asked value that the world allows."""
+    asked = ParallelLayout(cp=8, ep=8)
+    for world in (1, 2, 3, 4, 6, 8, 16):
+        got = asked.resolve(world)
+        cp = max(c for c in range(1, 9) if 8 % c == 0 and world % c == 0)
+        ep = max(e for e in range(1, 9) if 8 % e == 0 and (world // cp * cp) % e == 0)
+        assert (got.cp, got.dp_shard, got.ep, got.world_size) == (cp, world // cp, ep, world), world
+        assert got.resolve(world) == got  # a resolved layout is pinned: resolving again changes nothing
+    assert ParallelLayout(tp=2, ep=8).resolve(4).ep == 4  # ep folds over dp_shard x cp x tp
+    assert asked.resolve(2).lowered_from(asked) == ["cp 8 -> 2", "ep 8 -> 2"]
+    assert asked.resolve(8).lowered_from(asked) == []
+
+
+def test_a_pinned_layout_is_taken_as_written():
+    with pytest.raises(ConfigError, match="ep=8 must divide dp_shard"):
+        ParallelLayout(ep=8, dp_shard=2).resolve(2).validate()
+    with pytest.raises(ConfigError, match="needs 8 ranks but the world has 2"):
+        ParallelLayout(cp=8, dp_shard=1).resolve(2)
+    pinned = ParallelLayout(cp=2, ep=8, world_size=8).resolve(8)
+    assert (pinned.cp, pinned.dp_shard, pinned.ep) == (2, 4, 8)
+    with pytest.raises(ConfigError, match="layout.world_size=8 but the world has 2"):
+        ParallelLayout(ep=8, world_size=8).resolve(2)
+
+
+def test_resolved_layout_quantities_and_serialisation():
+    layout = ParallelLayout(pp=2, dp_replicate=2, cp=2, tp=2, ep=4, dp_mode="zero1", gpus_per_node=4).resolve(32)
+    assert (layout.dp_shard, layout.dp, layout.edp, layout.state_shards) == (2, 4, 2, 16)
+    assert layout.mesh_shape() == (2, 2, 2, 2, 2) and math.prod(layout.mesh_shape()) == 32
+    assert layout.expert_mesh_shape() == (2, 2, 2, 4)
+    assert layout.describe() == "pp=2 dp_replicate=2 dp_shard=2 cp=2 tp=2 ep=4 (world 32, 8 nodes)"
+    assert str(layout) == "pp=2 x dp_replicate=2 x dp_shard=2 x cp=2 x tp=2 x ep=4 (zero1)"
+    saved = json.loads(json.dumps(layout.as_dict()))  # what a checkpoint's trainer state holds
+    assert saved["dp_mode"] == "zero1" and saved["param_dtype"] == "auto" and saved["world_size"] == 32
+    assert ParallelLayout(**saved) == layout
+    assert ParallelLayout(**{**saved, "gpus_per_node": 8}) == layout  # planning only: not part of equality
+    assert ParallelLayout(**{**saved, "ep": 2}) != layout
+    assert layout.not_implemented() == ["pipeline parallelism (pp=2)", "context parallelism (cp=2)"]
+    layout.validate(tiny(), seq_len=64, runnable=False)  # planning accepts what is not implemented yet
+    with pytest.raises(ConfigError, match="seq_len=30 divisible by 2\\*cp"):
+        layout.validate(tiny(), seq_len=30, runnable=False)
+    with pytest.raises(ConfigError, match="layout.pp=8 exceeds the model's 5 layers"):
+        ParallelLayout(pp=8).resolve(8).validate(tiny(), runnable=False)
+
+
+def test_an_unresolved_layout_refuses_what_needs_the_world():
+    for use in (lambda L: L.dp, lambda L: L.mesh_shape(), lambda L: L.describe(), lambda L: L.validate()):
+        with pytest.raises(ConfigError, match=r"call layout.resolve\(world_size\) first"):
+            use(ParallelLayout(tp=2))
+    with pytest.raises(ConfigError, match="resolve"):  # degrees that do not multiply out to world_size
+        ParallelLayout(dp_shard=2, world_size=4).validate()
 
 
 def test_tensor_parallel_divisibility_of_model_sizes():
@@ -43,26 +125,26 @@ def test_tensor_parallel_divisibility_of_model_sizes():
     cfg.mla.num_heads = 3
     cfg.kda.num_heads = 4
     with pytest.raises(ConfigError, match=r"mla.num_heads=3 is not divisible by tp=2"):
-        ParallelLayout(tp=2).validate(cfg, world_size=2)
+        ParallelLayout(tp=2).resolve(2).validate(cfg)
     cfg = tiny()
     cfg.vocab_multiple = 1
     cfg.vocab_size = 511
     with pytest.raises(ConfigError, match=r"padded vocabulary 511 .* not divisible by tp=2; set vocab_multiple"):
-        ParallelLayout(tp=2).validate(cfg, world_size=2)
+        ParallelLayout(tp=2).resolve(2).validate(cfg)
     cfg = tiny()
     cfg.moe.expert_hidden = 63
     with pytest.raises(ConfigError, match=r"shared expert hidden .*=63 is not divisible by tp=2"):
-        ParallelLayout(tp=2).validate(cfg, world_size=2)
+        ParallelLayout(tp=2).resolve(2).validate(cfg)
 
 
 def test_layouts_for_the_large_presets_validate_without_any_process_group():
     # planning on a laptop: k3 on 1024 ranks, experts over 64 ranks folded over dp_shard x tp
     k3 = get_preset("k3")
-    layout = ParallelLayout(dp_replicate=2, dp_shard=64, tp=8, ep=64).validate(k3, world_size=1024)
-    assert (layout.edp, layout.dp) == (8, 128)
-    ParallelLayout(dp_shard=16, tp=4, ep=32).validate(get_preset("kimi-linear-48b"), world_size=64)
+    layout = ParallelLayout(dp_replicate=2, tp=8, ep=64, world_size=1024).resolve(1024).validate(k3)
+    assert (layout.dp_shard, layout.edp, layout.dp) == (64, 8, 128)
+    ParallelLayout(dp_shard=16, tp=4, ep=32).resolve(64).validate(get_preset("kimi-linear-48b"))
     with pytest.raises(ConfigError, match="ep=7"):
-        ParallelLayout(dp_shard=14, tp=8, ep=7).validate(k3, world_size=112)
+        ParallelLayout(dp_shard=14, tp=8, ep=7).resolve(112).validate(k3)
 
 
 def test_build_mesh_without_a_process_group_says_how_to_launch():
@@ -83,7 +165,7 @@ def mesh_and_failures() -> dict:
     )
 
     out: dict = {}
-    layout = ParallelLayout(dp_shard=2, tp=2, ep=2)
+    layout = ParallelLayout(tp=2, ep=2)  # dp_shard=-1: filled from the 4 ranks
     mesh = build_mesh(layout)
     experts = build_expert_mesh(layout, mesh)
     out["tp_group"] = dist.get_process_group_ranks(mesh.get_group("tp"))
@@ -104,7 +186,7 @@ def mesh_and_failures() -> dict:
             errors.append(str(err))
         seconds.append(time.monotonic() - start)
 
-    expect_failure(ConfigError, lambda: build_mesh(ParallelLayout(tp=2)))
+    expect_failure(ConfigError, lambda: build_mesh(ParallelLayout(tp=2, dp_shard=1)))
     expect_failure(ConfigError, lambda: build_mesh(ParallelLayout(dp_shard=2, tp=2, ep=3)))
     cfg = get_preset("tiny")
     cfg.kda.num_heads = 3  # cannot split 3 heads over tp=2

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import fnmatch
+import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,11 +13,9 @@ import pytest
 from moe_lc.config import ConfigError
 from moe_lc.model.accounting import count_parameters
 from moe_lc.train.curriculum import next_step_to_run, plan_curriculum, stage_at, total_steps
-from moe_lc.train.layout import resolve_layout
-from moe_lc.train.config import LayoutConfig
-from moe_lc.train.main import run_train_cli
+from moe_lc.train.main import run_plan_cli, run_train_cli
 from moe_lc.train.plan import estimate_stage, plan_text
-from moe_lc.train.recipes import available_options, available_recipes, compose_recipe, recipes_dir
+from moe_lc.train.recipes import available_options, available_recipes, compose_recipe, config_to_dict, recipes_dir
 
 SHIPPED = {"smoke", "proxy-8k", "proxy-64k", "proxy-256k", "proxy-1m", "proxy-curriculum",
            "k3-8k", "k3-64k", "k3-256k", "k3-1m"}
@@ -48,7 +48,7 @@ def test_recipes_ship_inside_the_package():
 def test_every_recipe_composes_validates_and_plans(recipe):
     cfg = compose_recipe(recipe)
     world = cfg.layout.world_size or 1
-    plans = plan_curriculum(cfg, world)
+    plans = plan_curriculum(cfg, world, every_stage=True)
     assert [p.name for p in plans] == list(cfg.curriculum.stages)
     for p in plans:  # every layout multiplies out to the world it is meant for
         L = p.layout
@@ -131,15 +131,22 @@ def test_batch_that_does_not_split_is_rejected_with_a_fix():
 
 
 def test_layout_resolution_and_world_size_checks():
-    tiny = compose_recipe("smoke").model
-    r = resolve_layout(LayoutConfig(tp=2, dp_shard=-1), 8, tiny)
-    assert (r.dp_shard, r.dp, r.world_size) == (4, 4, 8)
-    with pytest.raises(ConfigError, match="world has 8"):
-        resolve_layout(LayoutConfig(dp_shard=2), 8, tiny)
-    with pytest.raises(ConfigError, match="ep=3"):
-        resolve_layout(LayoutConfig(dp_shard=-1, ep=3), 6, tiny)
-    with pytest.raises(ConfigError, match="tp=4"):  # tiny has 2 heads
-        resolve_layout(LayoutConfig(dp_shard=-1, tp=4), 4, tiny)
+    # tp2 does not pin the world: dp_shard fills it
+    plans = plan_curriculum(compose_recipe("smoke", ["layout=tp2", "curriculum.stages.ctx16k.global_batch_tokens=32768"]), 4)
+    assert [(p.layout.tp, p.layout.dp_shard, p.layout.dp, p.layout.world_size) for p in plans] == [(2, 2, 2, 4)] * 4
+    with pytest.raises(ConfigError, match="stage ctx256: layout.world_size=2 but the world has 8"):
+        plan_curriculum(compose_recipe("smoke", ["layout=dp2"]), 8)
+    with pytest.raises(ConfigError, match="needs 2 ranks but the world has 8"):
+        plan_curriculum(compose_recipe("smoke", ["layout=dp2", "layout.world_size=null"]), 8)
+    with pytest.raises(ConfigError, match="stage ctx256: moe.num_routed=8 .* ep=3"):
+        plan_curriculum(compose_recipe("smoke", ["layout=dp2", "layout.dp_shard=3", "layout.ep=3",
+                                                 "layout.world_size=3"]), 3)
+    with pytest.raises(ConfigError, match="kda.num_heads=2 is not divisible by tp=4"):  # tiny has 2 heads
+        plan_curriculum(compose_recipe("smoke", ["layout=tp2", "layout.tp=4"]), 4)
+    with pytest.raises(ConfigError, match="stage ctx1k: layout.cp=2 needs seq_len=1022"):
+        plan_curriculum(compose_recipe("smoke", [
+            "layout=cp2", "curriculum.stages.ctx1k.seq_len=1022", "curriculum.stages.ctx1k.global_batch_tokens=4088",
+            "curriculum.stages.ctx16k.global_batch_tokens=32768"]), 2)
     # the smoke recipe on a 2-rank world: dp doubles, accumulation halves
     bigger = ["curriculum.stages.ctx16k.global_batch_tokens=32768"]
     with pytest.raises(ConfigError, match="dp=2"):  # one 16K sequence per step cannot feed two ranks
@@ -147,6 +154,97 @@ def test_layout_resolution_and_world_size_checks():
     one = plan_curriculum(compose_recipe("smoke", bigger), 1)
     two = plan_curriculum(compose_recipe("smoke", ["layout=dp2", *bigger]), 2)
     assert [2 * b.grad_accum for b in two] == [a.grad_accum for a in one]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_proxy_recipes_fit_the_ranks_launched(world):
+    """The proxy recipes run unmodified on 1, 2, 4 or 8 ranks: ep and each stage's cp shrink to the world."""
+    expected_cp = {"ctx8k": 1, "ctx64k": 1, "ctx256k": math.gcd(4, world), "ctx1m": math.gcd(8, world)}
+    for recipe in ("proxy-curriculum", "proxy-8k", "proxy-64k", "proxy-256k", "proxy-1m"):
+        cfg = compose_recipe(recipe)
+        plans = plan_curriculum(cfg, world)
+        for p in plans:
+            assert (p.layout is not None) == p.run, (recipe, p.name)
+            if p.layout is None:
+                continue
+            L = p.layout
+            assert (L.cp, L.dp_shard, L.world_size) == (expected_cp[p.name], world // L.cp, world), (recipe, p.name)
+            assert L.ep == math.gcd(8, world) and cfg.model.moe.num_routed % L.ep == 0
+            assert p.sequences_per_step == p.micro_batch * p.grad_accum * L.dp
+            assert L.not_implemented() == ([] if L.cp == 1 else [f"context parallelism (cp={L.cp})"])
+    # a first run of one stage: a few steps on whatever machine is at hand
+    plans = plan_curriculum(compose_recipe("proxy-8k", ["max_steps=20"]), world)
+    assert [p.name for p in plans if p.run] == ["ctx8k"]
+    # pinning the world turns fitting off: a hard check of the launch
+    if world != 8:
+        with pytest.raises(ConfigError, match=f"layout.world_size=8 but the world has {world}"):
+            plan_curriculum(compose_recipe("proxy-8k", ["layout.world_size=8"]), world)
+
+
+def test_only_the_stages_a_launch_runs_are_checked_against_the_world():
+    # smoke's layout is pinned to one rank: cp=3 in a stage cannot run there
+    bad_last = ["curriculum.stages.ctx16k.layout={cp: 3}"]
+    with pytest.raises(ConfigError, match="stage ctx16k: the layout .* needs 3 ranks but the world has 1"):
+        plan_curriculum(compose_recipe("smoke", bad_last), 1)
+    for selection in (["curriculum.run=[ctx256,ctx1k]"], ["max_steps=20"], ["max_steps=12"]):
+        plans = plan_curriculum(compose_recipe("smoke", [*bad_last, *selection]), 1)
+        assert [p.steps for p in plans] == [10, 6, 4, 2] and total_steps(plans) == 22  # one schedule over all
+        assert plans[3].layout is None and not plans[3].run
+    plans = plan_curriculum(compose_recipe("smoke", [*bad_last, "max_steps=12"]), 1)
+    assert [p.run for p in plans] == [True, True, False, False]  # ctx4k starts at step 16 >= max_steps
+    with pytest.raises(ConfigError, match="stage ctx16k"):  # the plan shows (and checks) every stage
+        plan_text(compose_recipe("smoke", [*bad_last, "max_steps=12"]), 1)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["layout.dp_mode=fsd"], "layout.dp_mode='fsd': use one of fsdp, zero1"),
+        (["layout.param_dtype=fp16"], "layout.param_dtype='fp16': use one of auto, float32, bfloat16"),
+        (["layout.cpp=2"], "layout.cpp: no such field; ParallelLayout has pp, dp_replicate, dp_shard, cp"),
+        (["layout.tp=two"], "layout.tp='two': must be int"),
+        (["layout.tp=0"], "layout.tp=0 must be a positive integer"),
+        (["curriculum.stages.ctx1k.layout={cpp: 2}"], "curriculum.stages.ctx1k.layout.cpp: no such field"),
+        (["curriculum.stages.ctx1k.layout={dp_mode: fsd}"],
+         "curriculum.stages.ctx1k.layout.dp_mode='fsd': use one of fsdp, zero1"),
+        (["curriculum.stages.ctx1k.layout={cp: two}"], "curriculum.stages.ctx1k.layout.cp='two': must be int"),
+        (["curriculum.stages.ctx1k.layout={ep: 0}"], "curriculum.stages.ctx1k: layout.ep=0 must be a positive integer"),
+        (["curriculum.stages.ctx1k.layout=3"], "curriculum.stages.ctx1k.layout=3: give the layout fields"),
+        (["curriculum.stages.ctx1k.layout.cp=2"], "use +curriculum.stages.ctx1k.layout.cp=2"),
+    ],
+)
+def test_bad_layout_values_fail_when_the_recipe_is_composed(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        compose_recipe("smoke", overrides)
+    assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_bad_layout_values_in_recipe_files_name_the_field(tmp_path):
+    root = tmp_path / "recipes"
+    shutil.copytree(recipes_dir(), root)
+    (root / "layout" / "bad.yaml").write_text("dp_shard: -1\ndp_mode: fsd\n")
+    with pytest.raises(ConfigError, match=r"layout.dp_mode='fsd': use one of fsdp, zero1"):
+        compose_recipe("smoke", ["layout=bad"], root)
+    curriculum = (root / "curriculum" / "smoke.yaml").read_text()
+    (root / "curriculum" / "typo.yaml").write_text(curriculum.replace("    steps: 2\n", "    steps: 2\n    layout: {tpp: 2}\n"))
+    with pytest.raises(ConfigError, match=r"curriculum.stages.ctx16k.layout.tpp: no such field"):
+        compose_recipe("smoke", ["curriculum=typo"], root)
+
+
+def test_stage_layout_blocks_merge_over_the_run_layout():
+    cfg = compose_recipe("smoke", ["layout=tp2", "+curriculum.stages.ctx16k.layout.dp_mode=zero1",
+                                   "curriculum.stages.ctx1k.layout={tp: 1, ep: 2}",
+                                   "curriculum.stages.ctx16k.global_batch_tokens=32768"])
+    plans = plan_curriculum(cfg, 2)
+    assert [(p.layout.tp, p.layout.ep, p.layout.dp_shard, str(p.layout.dp_mode)) for p in plans] == [
+        (2, 1, 1, "fsdp"), (1, 2, 2, "fsdp"), (2, 1, 1, "fsdp"), (2, 1, 1, "zero1")]
+    assert plans[0].layout == plans[2].layout != plans[1].layout  # what makes the trainer rebuild the model
+
+
+def test_config_snapshot_is_json_with_the_layout_choices_as_strings():
+    cfg = compose_recipe("smoke", ["layout.dp_mode=zero1", "layout.param_dtype=bfloat16"])
+    snapshot = json.loads(json.dumps(config_to_dict(cfg)))
+    assert snapshot["layout"]["dp_mode"] == "zero1" and snapshot["layout"]["param_dtype"] == "bfloat16"
 
 
 def test_memory_estimate_state_term_is_sixteen_bytes_per_parameter_over_the_shards():
@@ -158,10 +256,18 @@ def test_memory_estimate_state_term_is_sixteen_bytes_per_parameter_over_the_shar
     assert est.activations_recompute_gib < est.activations_gib
 
 
-def test_cli_plan_only_prints_the_plan_and_rejects_unknown_names(capsys):
-    assert run_train_cli(["recipe=k3-8k", "plan_only=true"]) == 0
+def test_cli_plan_prints_the_plan_and_rejects_unknown_names(capsys):
+    assert run_plan_cli("k3-8k") == 0
     out = capsys.readouterr().out
     assert "ctx8k" in out and "4096" in out and "memory per GPU" in out
-    assert run_train_cli(["recipe=k3-9k", "plan_only=true"]) == 2
+    assert "not implemented yet in moe_lc.parallel" in out and "pipeline parallelism (pp=16)" in out
+    assert run_plan_cli("proxy-curriculum") == 0  # one rank unless pinned: cp and ep fitted, and said so
+    out = capsys.readouterr().out
+    assert "fitted to 1 rank(s): ctx8k ep 8 -> 1" in out and "ctx1m cp 8 -> 1, ep 8 -> 1" in out
+    assert run_plan_cli("proxy-curriculum", ["layout.world_size=8"]) == 0
+    assert "fitted" not in capsys.readouterr().out
+    assert run_plan_cli("k3-9k") == 2
     assert "available recipes" in capsys.readouterr().err
     assert run_train_cli(["--bogus"]) == 2
+    assert run_train_cli(["--plan"]) == 2  # one planning entry point: moe-lc plan
+    assert "moe-lc plan" in capsys.readouterr().err

@@ -1,12 +1,13 @@
 """Bad input stops the trainer with exit code 2 and a message that names the problem and the fix:
-missing data, unknown recipe/stage, corrupt checkpoint, tokenizer/vocab mismatch, and a
-checkpoint of another model or tokenizer."""
+missing data, unknown recipe/stage, a bad layout, corrupt checkpoint, tokenizer/vocab mismatch,
+and a checkpoint of another model or tokenizer."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch.distributed
 
 from moe_lc.train.main import run_train_cli
 
@@ -49,6 +50,25 @@ def test_unknown_recipe_and_stage_list_the_choices(capsys):
     assert "unknown recipe 'smokey'" in err and "proxy-curriculum" in err
     err = _fails(capsys, "curriculum.run=[ctx99]")
     assert "unknown stage 'ctx99'" in err and "ctx256, ctx1k, ctx4k, ctx16k" in err
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("layout.dp_mode=fsd", "layout.dp_mode='fsd': use one of fsdp, zero1"),
+        ("layout.ep=0", "layout.ep=0 must be a positive integer"),
+        ("curriculum.stages.ctx256.layout={tpp: 2}", "curriculum.stages.ctx256.layout.tpp: no such field"),
+        ("layout=dp2", "stage ctx256: layout.world_size=2 but the world has 1 rank(s)"),
+    ],
+)
+def test_a_bad_layout_stops_before_any_process_group_or_file(capsys, tmp_path, monkeypatch, override, needle):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process group was started for a layout that cannot run")
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", refuse)
+    err = _fails(capsys, *ONE_STEP, f"run_dir={tmp_path / 'run'}", override)
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
 
 
 def test_vocab_too_small_for_the_data_is_a_tokenizer_mismatch(capsys, tmp_path):

@@ -232,10 +232,6 @@ class PackedDataset:
         """Windows in one epoch of each source."""
         return [s.windows_per_epoch for s in self._streams]
 
-    @property
-    def tokens_per_epoch(self) -> list[int]:
-        return [s.num_tokens for s in self._streams]
-
     def locate(self, i: int) -> Location:
         if i < 0:
             raise IndexError(f"sequence index must be >= 0, got {i}")

@@ -2,7 +2,7 @@
 
 Typical use (every rank, after ``torch.distributed.init_process_group``)::
 
-    layout = ParallelLayout(dp_shard=2, tp=2, ep=2)
+    layout = ParallelLayout(tp=2, ep=2)                  # dp_shard=-1: the rest of the world
     mesh = build_mesh(layout)
     model = parallelize(build_model(cfg, device, seed=0), layout, mesh)
     optimizer = build_optimizer(model, torch.optim.AdamW, lr=3e-4)
@@ -16,7 +16,7 @@ See docs/parallelism.md.
 
 from moe_lc.optim.clip import clip_grad_norm as clip_grad_norm_  # one mesh-aware clip for every layout
 from moe_lc.parallel.data_parallel import build_optimizer, finish_gradient_sync, set_gradient_sync
-from moe_lc.parallel.layout import ParallelLayout
+from moe_lc.parallel.layout import DPMode, ParallelLayout, ParamDType
 from moe_lc.parallel.mesh import (
     balance_group,
     build_expert_mesh,
@@ -29,6 +29,8 @@ from moe_lc.parallel.parallelize import ParallelContext, parallel_context, paral
 
 __all__ = [
     "ParallelLayout",
+    "DPMode",
+    "ParamDType",
     "ParallelContext",
     "build_mesh",
     "build_expert_mesh",

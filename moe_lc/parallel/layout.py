@@ -6,115 +6,200 @@ tensor-parallel peers are neighbouring ranks). Expert parallelism does not add r
 expert mesh ``pp x dp_replicate x edp x ep`` with ``edp = dp_shard * cp * tp / ep``
 (Megatron's "parallel folding" with expert-tensor-parallel size 1). With ``ep >= tp`` an
 expert group holds whole tensor-parallel groups; with ``ep < tp`` it lies inside one.
+
+``ParallelLayout`` is both what a recipe writes (the trainer's ``layout:`` section, a Hydra
+structured config) and what the engine runs: ``resolve(world_size)`` turns the first into
+the second, ``validate(model_cfg, seq_len)`` checks it against the model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Optional
 
 from moe_lc.config import ConfigError, ModelConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EXPERT_MESH_DIMS = ("pp", "dp_replicate", "edp", "ep")
-DP_MODES = ("fsdp", "zero1")
-PARAM_DTYPES = ("auto", "float32", "bfloat16")
+DEGREES = (*MESH_DIMS, "ep")
+FILL = -1  # dp_shard: whatever the other degrees leave of the world
+NOT_IMPLEMENTED = {"pp": "pipeline parallelism", "cp": "context parallelism"}
+
+
+class Choice(str, Enum):
+    """A string option of the layout: equal to its value and printed as it (``dp_mode == "fsdp"``).
+
+    Members are named like their values, so that a recipe writes ``dp_mode: zero1`` and
+    OmegaConf rejects any other word while the recipe is composed.
+    """
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class DPMode(Choice):
+    fsdp = "fsdp"  # FSDP2 (HSDP with dp_replicate > 1): parameters, gradients, optimizer state sharded
+    zero1 = "zero1"  # parameters and gradients replicated, optimizer state sharded
+
+
+class ParamDType(Choice):
+    auto = "auto"  # bfloat16 on CUDA, float32 on CPU
+    float32 = "float32"
+    bfloat16 = "bfloat16"
 
 
 @dataclass
 class ParallelLayout:
     """Degrees of each parallelism and the data-parallel flavour.
 
+    dp_shard = -1 takes what pp x dp_replicate x cp x tp leave of the world. A layout that
+    nothing pins (world_size null and dp_shard -1) fits itself to the world it is resolved for:
+    cp and ep are then upper bounds, each lowered to the largest divisor of the asked value
+    that the world allows, so one recipe runs on 1, 2 or 8 ranks. Setting world_size (or
+    dp_shard) pins the layout: every degree is taken as written and must fit exactly.
+
     dp_mode "fsdp": FSDP2 (``fully_shard``) shards parameters, gradients and optimizer state
     over ``dp_shard`` and replicates over ``dp_replicate`` (HSDP). "zero1": parameters and
     gradients are replicated over all data-parallel ranks, only the optimizer state is
     sharded (see ``moe_lc.parallel.data_parallel``).
-    param_dtype: compute dtype of FSDP's unsharded parameters (master weights stay fp32);
-    "auto" = bfloat16 on CUDA, float32 on CPU.
+    param_dtype: compute dtype of FSDP's unsharded parameters (master weights stay fp32).
     """
 
     pp: int = 1
     dp_replicate: int = 1
-    dp_shard: int = 1
+    dp_shard: int = FILL
     cp: int = 1
     tp: int = 1
     ep: int = 1
-    dp_mode: str = "fsdp"
+    dp_mode: DPMode = DPMode.fsdp
     sequence_parallel: bool = True
-    param_dtype: str = "auto"
+    param_dtype: ParamDType = ParamDType.auto
+    world_size: Optional[int] = None  # the rank count this layout is meant for (null: whatever is launched)
+    gpus_per_node: int = field(default=8, compare=False)  # planning: reported as a node count
+
+    def __post_init__(self) -> None:
+        # Direct construction (ParallelLayout(dp_mode="zero1")) gets the same choices as a recipe.
+        self.dp_mode = _choice(DPMode, "dp_mode", self.dp_mode)
+        self.param_dtype = _choice(ParamDType, "param_dtype", self.param_dtype)
+
+    # -- resolution ----------------------------------------------------------------------
+    @property
+    def fits_world(self) -> bool:
+        """Nothing pins the layout: cp and ep shrink to what the world allows (see the class doc)."""
+        return self.world_size is None and self.dp_shard == FILL
 
     @property
-    def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel degree: ranks that read different samples."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def edp(self) -> int:
-        """Expert-data-parallel degree: replicas of each expert shard inside one replicate group."""
-        return self.dp_shard * self.cp * self.tp // self.ep
-
-    def mesh_shape(self) -> tuple[int, ...]:
-        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
-
-    def expert_mesh_shape(self) -> tuple[int, ...]:
-        return (self.pp, self.dp_replicate, self.edp, self.ep)
-
-    @classmethod
-    def from_dict(cls, d: Optional[dict]) -> "ParallelLayout":
-        d = dict(d or {})
-        known = set(cls.__dataclass_fields__)
-        unknown = set(d) - known
-        if unknown:
-            raise ConfigError(f"unknown parallel layout field(s) {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**d)
-
-    def __str__(self) -> str:
-        dims = " x ".join(f"{n}={getattr(self, n)}" for n in (*MESH_DIMS, "ep") if getattr(self, n) > 1)
-        return f"{dims or 'single rank'} ({self.dp_mode})"
-
-    # -- validation ------------------------------------------------------------------
-    def validate(self, model_cfg: Optional[ModelConfig] = None, world_size: Optional[int] = None) -> "ParallelLayout":
-        """Raise ConfigError naming the numbers and a fix; call before creating any process group."""
-        for name in (*MESH_DIMS, "ep"):
-            value = getattr(self, name)
-            _require(
-                isinstance(value, int) and value >= 1, f"parallel.{name}={value!r} must be a positive integer"
-            )
-        _require(self.dp_mode in DP_MODES, f"parallel.dp_mode={self.dp_mode!r}: use one of {', '.join(DP_MODES)}")
-        _require(
-            self.param_dtype in PARAM_DTYPES,
-            f"parallel.param_dtype={self.param_dtype!r}: use one of {', '.join(PARAM_DTYPES)}",
+    def resolved(self) -> bool:
+        """Every degree known and multiplying out to world_size (what resolve returns)."""
+        return (
+            self.world_size is not None
+            and self.dp_shard != FILL
+            and math.prod(getattr(self, d) for d in MESH_DIMS) == self.world_size
         )
-        if world_size is not None:
+
+    def check_degrees(self) -> None:
+        """Every degree a positive integer (dp_shard may be -1); needs no world and no model."""
+        for name in DEGREES:
+            value = getattr(self, name)
+            fill = " or -1 (fill the world)" if name == "dp_shard" else ""
             _require(
-                self.world_size == world_size,
-                f"the layout pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} "
-                f"x cp={self.cp} x tp={self.tp} needs {self.world_size} ranks but the world has {world_size}; "
-                f"{_world_fix(self, world_size)}",
+                _positive(value) or (fill and value == FILL), f"layout.{name}={value!r} must be a positive integer{fill}"
             )
-        _require(self.pp == 1, f"parallel.pp={self.pp}: pipeline parallelism is not implemented yet; set pp=1")
-        _require(self.cp == 1, f"parallel.cp={self.cp}: context parallelism is not implemented yet; set cp=1")
+        _require(
+            self.world_size is None or _positive(self.world_size),
+            f"layout.world_size={self.world_size!r} must be a positive integer or null (fit the world)",
+        )
+        _require(_positive(self.gpus_per_node), f"layout.gpus_per_node={self.gpus_per_node!r} must be a positive integer")
+
+    def resolve(self, world_size: int) -> "ParallelLayout":
+        """This layout for ``world_size`` ranks, every degree known (``world_size`` set, dp_shard filled)."""
+        self.check_degrees()
+        _require(isinstance(world_size, int) and world_size >= 1, f"world size {world_size!r} must be a positive integer")
+        _require(
+            self.world_size is None or self.world_size == world_size,
+            f"layout.world_size={self.world_size} but the world has {world_size} rank(s); launch {self.world_size} "
+            f"(torchrun --nproc-per-node {self.world_size}) or set layout.world_size=null to fit the layout to the world",
+        )
+        fixed = self.pp * self.dp_replicate * self.tp
+        _require(
+            world_size % fixed == 0,
+            f"layout.pp*dp_replicate*tp = {self.pp}*{self.dp_replicate}*{self.tp} = {fixed} does not divide the "
+            f"world's {world_size} rank(s); lower those degrees or launch a multiple of {fixed} ranks",
+        )
+        cp = math.gcd(self.cp, world_size // fixed) if self.fits_world else self.cp
+        if self.dp_shard == FILL:
+            others = fixed * cp
+            _require(
+                world_size % others == 0,
+                f"layout.cp={cp}: pp*dp_replicate*cp*tp = {others} does not divide the world's {world_size} "
+                f"rank(s); lower cp or launch a multiple of {others} ranks",
+            )
+            dp_shard = world_size // others
+        else:
+            dp_shard = self.dp_shard
+            needed = fixed * cp * dp_shard
+            _require(
+                needed == world_size,
+                f"the layout pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={dp_shard} x cp={cp} "
+                f"x tp={self.tp} needs {needed} ranks but the world has {world_size}; {_world_fix(fixed * cp, world_size)}",
+            )
+        ep = math.gcd(self.ep, dp_shard * cp * self.tp) if self.fits_world else self.ep
+        return dataclasses.replace(self, dp_shard=dp_shard, cp=cp, ep=ep, world_size=world_size)
+
+    # -- validation ------------------------------------------------------------------------
+    def not_implemented(self) -> list[str]:
+        """What this layout needs that the engine cannot do yet, e.g. ``["context parallelism (cp=4)"]``.
+
+        Empty: it can run. Planning reports these; ``validate(runnable=True)`` refuses them.
+        """
+        return [f"{what} ({d}={getattr(self, d)})" for d, what in NOT_IMPLEMENTED.items() if getattr(self, d) > 1]
+
+    def validate(
+        self, model_cfg: Optional[ModelConfig] = None, seq_len: Optional[int] = None, runnable: bool = True
+    ) -> "ParallelLayout":
+        """Raise ConfigError naming the field and a fix; call on a resolved layout before any process group.
+
+        runnable=False accepts what is only not implemented yet (pp, cp > 1), for planning.
+        """
+        self.check_degrees()
+        self._require_resolved("validate")
+        if runnable:
+            missing = self.not_implemented()
+            _require(
+                not missing,
+                f"layout: {' and '.join(missing)} not implemented yet in moe_lc.parallel; set "
+                f"{' and '.join(d for d in NOT_IMPLEMENTED if getattr(self, d) > 1)} to 1 to train "
+                "(moe-lc plan still plans such layouts)",
+            )
         _require(
             self.sequence_parallel or self.tp == 1,
-            f"parallel.tp={self.tp} with sequence_parallel=false: the MoE layers route every token once per "
+            f"layout.tp={self.tp} with sequence_parallel=false: the MoE layers route every token once per "
             "rank, so under tensor parallelism the tokens must be split over the tp ranks; set "
             "sequence_parallel=true",
         )
         folded = self.dp_shard * self.cp * self.tp
         _require(
             folded % self.ep == 0,
-            f"parallel.ep={self.ep} must divide dp_shard*cp*tp={self.dp_shard}*{self.cp}*{self.tp}={folded} "
+            f"layout.ep={self.ep} must divide dp_shard*cp*tp={self.dp_shard}*{self.cp}*{self.tp}={folded} "
             "(expert parallelism borrows those ranks); raise dp_shard or lower ep",
         )
         _require(
             self.ep % self.tp == 0 or self.tp % self.ep == 0,
-            f"parallel.ep={self.ep} and tp={self.tp}: one must divide the other so that expert groups are "
+            f"layout.ep={self.ep} and tp={self.tp}: one must divide the other so that expert groups are "
             "made of whole tensor-parallel groups (ep >= tp) or lie inside one (ep < tp)",
         )
+        if seq_len is not None and self.cp > 1:
+            _require(
+                seq_len % (2 * self.cp) == 0,
+                f"layout.cp={self.cp} needs seq_len={seq_len} divisible by 2*cp (load-balanced causal "
+                "sharding); change seq_len or cp",
+            )
         if model_cfg is not None:
             self._validate_model(model_cfg)
         return self
@@ -122,6 +207,10 @@ class ParallelLayout:
     def _validate_model(self, cfg: ModelConfig) -> None:
         tp, ep = self.tp, self.ep
         m = cfg.moe
+        _require(
+            self.pp <= cfg.num_layers,
+            f"layout.pp={self.pp} exceeds the model's {cfg.num_layers} layers; lower pp",
+        )
         _require(
             m.num_routed % ep == 0,
             f"moe.num_routed={m.num_routed} experts cannot be split over ep={ep} ranks; "
@@ -162,14 +251,78 @@ class ParallelLayout:
             f"is not divisible by tp={tp} (TP splits the shared experts); {fix}",
         )
 
+    def _require_resolved(self, what: str) -> None:
+        _require(
+            self.resolved,
+            f"{what} needs a resolved layout (dp_shard={self.dp_shard}, world_size={self.world_size}); "
+            "call layout.resolve(world_size) first",
+        )
+
+    # -- what a resolved layout gives ----------------------------------------------------------
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ranks that read different samples."""
+        self._require_resolved("dp")
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel degree: replicas of each expert shard inside one replicate group."""
+        self._require_resolved("edp")
+        return self.dp_shard * self.cp * self.tp // self.ep
+
+    @property
+    def state_shards(self) -> int:
+        """Ranks that split parameters/optimizer state (everything but replicas)."""
+        self._require_resolved("state_shards")
+        return self.world_size // self.dp_replicate
+
+    def mesh_shape(self) -> tuple[int, ...]:
+        self._require_resolved("mesh_shape")
+        return tuple(getattr(self, d) for d in MESH_DIMS)
+
+    def expert_mesh_shape(self) -> tuple[int, ...]:
+        return (self.pp, self.dp_replicate, self.edp, self.ep)
+
+    def describe(self) -> str:
+        """One line for logs and the plan: every degree, the world and the node count."""
+        self._require_resolved("describe")
+        dims = " ".join(f"{d}={getattr(self, d)}" for d in DEGREES)
+        nodes = -(-self.world_size // self.gpus_per_node)
+        return f"{dims} (world {self.world_size}" + (f", {nodes} nodes)" if self.world_size > 1 else ")")
+
+    def lowered_from(self, requested: "ParallelLayout") -> list[str]:
+        """The degrees a fitted resolve lowered from what ``requested`` wrote, e.g. ``["cp 8 -> 2"]``."""
+        return [
+            f"{d} {getattr(requested, d)} -> {getattr(self, d)}" for d in ("cp", "ep") if getattr(requested, d) != getattr(self, d)
+        ]
+
+    def as_dict(self) -> dict:
+        """JSON-able fields (choices as their strings), e.g. for a checkpoint's trainer state."""
+        return {k: (v.value if isinstance(v, Enum) else v) for k, v in dataclasses.asdict(self).items()}
+
+    def __str__(self) -> str:
+        dims = " x ".join(f"{n}={getattr(self, n)}" for n in DEGREES if getattr(self, n) != 1)
+        return f"{dims or 'single rank'} ({self.dp_mode})"
+
+
+def _choice(kind: type[Choice], name: str, value: object) -> Choice:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(f"layout.{name}={value!r}: use one of {', '.join(m.value for m in kind)}") from None
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
 
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
 
 
-def _world_fix(layout: ParallelLayout, world_size: int) -> str:
-    others = layout.pp * layout.dp_replicate * layout.cp * layout.tp
+def _world_fix(others: int, world_size: int) -> str:
     if world_size % others == 0:
-        return f"set dp_shard={world_size // others} (or change the other degrees)"
+        return f"set dp_shard={world_size // others} (or -1 to fill the world)"
     return f"choose degrees whose product is {world_size}"

@@ -28,8 +28,8 @@ def build_mesh(
 ) -> DeviceMesh:
     """The dense mesh with named dims ``pp, dp_replicate, dp_shard, cp, tp`` (sizes may be 1).
 
-    Validates the layout against the world size first, so a wrong layout raises the same
-    ConfigError on every rank instead of hanging in a collective.
+    Resolves and validates the layout for the world size first, so a wrong layout raises the
+    same ConfigError on every rank instead of hanging in a collective.
     """
     if world_size is None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -38,12 +38,13 @@ def build_mesh(
                 "torch.distributed.init_process_group) or an explicit world_size"
             )
         world_size = dist.get_world_size()
-    layout.validate(world_size=world_size)
+    layout = layout.resolve(world_size).validate()
     return init_device_mesh(device_type or default_device_type(), layout.mesh_shape(), mesh_dim_names=MESH_DIMS)
 
 
 def build_expert_mesh(layout: ParallelLayout, mesh: DeviceMesh) -> DeviceMesh:
     """The expert mesh ``pp, dp_replicate, edp, ep`` over the same ranks as ``mesh``."""
+    layout = layout.resolve(mesh.size())
     if tuple(mesh.mesh_dim_names or ()) != MESH_DIMS or tuple(mesh.mesh.shape) != layout.mesh_shape():
         raise ConfigError(
             f"mesh {tuple(mesh.mesh.shape)} with dims {mesh.mesh_dim_names} was not built from this layout "

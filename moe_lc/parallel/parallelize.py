@@ -38,10 +38,11 @@ def parallelize(model: MoELCModel, layout: ParallelLayout, mesh: DeviceMesh) -> 
     """Apply ``layout`` to ``model`` in place (and return it). Every rank must pass an identical model.
 
     The model must be materialised (not meta) with identical weights on every rank (same seed).
+    ``layout`` is resolved for the mesh's world (dp_shard=-1 filled); the context keeps the result.
     """
     if getattr(model, "moe_lc_parallel", None) is not None:
         raise ConfigError("this model is already parallelized; build a fresh model for another layout")
-    layout.validate(model.cfg, world_size=mesh.size())
+    layout = layout.resolve(mesh.size()).validate(model.cfg)
     if any(p.is_meta for p in model.parameters()):
         raise ConfigError("parallelize needs materialised weights: build the model with build_model(cfg, device)")
     expert_mesh = build_expert_mesh(layout, mesh)

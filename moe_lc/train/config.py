@@ -7,55 +7,24 @@ the wrong type is rejected while the recipe is composed, before anything is buil
 
 The model section is a full `moe_lc.config.ModelConfig`: `recipes/model/<name>.yaml`
 starts from the preset of that name (registered below as `moe_lc_preset/<name>`) and may
-override any of its fields.
+override any of its fields. The layout section is `moe_lc.parallel.ParallelLayout` itself, so
+its choices (dp_mode, param_dtype) are enums that OmegaConf checks while composing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
 from moe_lc.config import ModelConfig
 from moe_lc.optim import OptimConfig
+from moe_lc.parallel.layout import ParallelLayout
 
 # Data-source prefixes that name built-in data instead of a `.bin`/`.idx` path.
 DEFAULT_CORPUS = "@default"  # the embedded default corpus (Python standard library sources)
 SYNTHETIC_PREFIX = "@"  # "@passkey", "@associative_recall": generated at the stage's seq_len
-
-
-@dataclass
-class LayoutConfig:
-    """How the ranks of a run are split (SPEC 3). Product pp*dp_replicate*dp_shard*cp*tp = world size.
-
-    dp_shard = -1 takes whatever the other dimensions leave of the world size. ep borrows its
-    ranks from dp_shard x cp x tp and must divide that product.
-    """
-
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = -1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
-    dp_mode: str = "fsdp"  # fsdp (FSDP2/HSDP: parameters, gradients, optimizer state sharded) | zero1
-    sequence_parallel: bool = True
-    param_dtype: str = "auto"  # FSDP compute dtype: auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
-    world_size: Optional[int] = None  # the rank count this layout is meant for (null: whatever is launched)
-    gpus_per_node: int = 8  # planning: reported alongside the node count
-
-
-@dataclass
-class LayoutOverride:
-    """A stage's changes to the run's layout; null keeps the run's value."""
-
-    pp: Optional[int] = None
-    dp_replicate: Optional[int] = None
-    dp_shard: Optional[int] = None
-    cp: Optional[int] = None
-    tp: Optional[int] = None
-    ep: Optional[int] = None
 
 
 @dataclass
@@ -84,7 +53,10 @@ class StageConfig:
     micro_batch: int = 1  # sequences per forward/backward on one data-parallel rank
     steps: Optional[int] = None
     tokens: Optional[int] = None
-    layout: LayoutOverride = field(default_factory=LayoutOverride)
+    # fields of the run's layout that this stage changes, merged over it: {cp: 4} (checked when composed;
+    # untyped so that a stage may name any subset: add one from the command line with
+    # +curriculum.stages.NAME.layout.cp=4)
+    layout: Any = None
     data: Optional[List[SourceConfig]] = None  # null: the run's data mixture
 
 
@@ -142,11 +114,10 @@ class TrainConfig:
     precision: str = "auto"  # auto (bf16 autocast + fp32 weights on GPU, fp32 on CPU) | fp32 | bf16
     resume: str = "auto"  # auto (newest complete checkpoint, or a fresh start) | none | PATH
     init_from: Optional[str] = None  # checkpoint whose model weights start a fresh run
-    plan_only: bool = False  # validate, print the plan and exit
     max_steps: Optional[int] = None  # stop after this global step (the schedule still spans the curriculum)
     threads: Optional[int] = None  # CPU intra-op threads (null: torch's default)
     model: ModelConfig = MISSING
-    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    layout: ParallelLayout = field(default_factory=ParallelLayout)  # how the ranks are split
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -9,6 +9,10 @@ its own data stream; each data-parallel rank runs `grad_accum` micro-batches of
     grad_accum = global_batch_tokens / (micro_batch x seq_len x dp)
 
 Where a run stands is (global step, sequences consumed per stage): both layout-independent.
+
+A launch checks the layouts of the stages it will train (`curriculum.run`, up to
+`max_steps`) against its world size; the others only get their step counts, so a recipe
+whose later stages need more ranks still trains its early ones on a small machine.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from moe_lc.config import ConfigError
+from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.train.config import SourceConfig, StageConfig, TrainConfig
-from moe_lc.train.layout import ResolvedLayout, merge_layout, resolve_layout
+from moe_lc.train.recipes import stage_layout
 
 
 @dataclass(frozen=True)
@@ -31,9 +36,10 @@ class StagePlan:
     micro_batch: int
     steps: int
     start_step: int  # first global step of the stage
-    layout: ResolvedLayout
+    layout: Optional[ParallelLayout]  # resolved for the world; None for a stage that was not checked
     sources: tuple[SourceConfig, ...]
-    run: bool  # trained by this launch (curriculum.run)
+    run: bool  # trained by this launch (in curriculum.run and starting before max_steps)
+    requested: Optional[ParallelLayout] = None  # the layout as the recipe wrote it, before fitting to the world
 
     @property
     def end_step(self) -> int:
@@ -79,22 +85,32 @@ def check_batch_shape(name: str, stage: StageConfig, dp: int) -> None:
         )
 
 
-def plan_curriculum(cfg: TrainConfig, world_size: int) -> list[StagePlan]:
-    """Every stage of the curriculum with its steps, layout and data, checked for `world_size` ranks."""
+def plan_curriculum(cfg: TrainConfig, world_size: int, every_stage: bool = False) -> list[StagePlan]:
+    """Every stage of the curriculum with its steps and data; the layouts of the stages this launch
+    runs (every stage with every_stage=True, for planning) resolved and checked for `world_size` ranks.
+
+    What the engine does not implement yet (pp, cp > 1) passes here: `moe-lc plan` reports it
+    and building the model refuses it.
+    """
     plans: list[StagePlan] = []
     start = 0
     selected = set(cfg.curriculum.run) if cfg.curriculum.run is not None else None
     for index, (name, stage) in enumerate(cfg.curriculum.stages.items()):
-        layout = resolve_layout(
-            merge_layout(cfg.layout, stage.layout), world_size, cfg.model, stage.seq_len, where=f"stage {name} layout"
-        )
-        check_batch_shape(name, stage, layout.dp)
         steps = stage_steps(name, stage)
+        run = (selected is None or name in selected) and (cfg.max_steps is None or start < cfg.max_steps)
+        requested = stage_layout(cfg.layout, name, stage.layout)
+        layout = None
+        if run or every_stage:
+            try:
+                layout = requested.resolve(world_size).validate(cfg.model, stage.seq_len, runnable=False)
+            except ConfigError as err:
+                raise ConfigError(f"stage {name}: {err}") from err
+            check_batch_shape(name, stage, layout.dp)
         sources = tuple(stage.data if stage.data is not None else cfg.data.sources)
-        run = selected is None or name in selected
-        plans.append(
-            StagePlan(index, name, stage.seq_len, stage.global_batch_tokens, stage.micro_batch, steps, start, layout, sources, run)
-        )
+        plans.append(StagePlan(
+            index, name, stage.seq_len, stage.global_batch_tokens, stage.micro_batch, steps, start, layout, sources,
+            run, requested,
+        ))
         start += steps
     return plans
 
@@ -117,7 +133,3 @@ def next_step_to_run(plans: list[StagePlan], step: int) -> Optional[int]:
         if p.run and step < p.end_step:
             return max(step, p.start_step)
     return None
-
-
-def last_step_to_run(plans: list[StagePlan]) -> int:
-    return max(p.end_step for p in plans if p.run)

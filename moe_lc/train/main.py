@@ -1,8 +1,8 @@
-"""`moe-lc train` / `python -m moe_lc.train`: compose a recipe, then plan or train.
+"""`moe-lc train` / `python -m moe_lc.train`: compose a recipe and train it; `moe-lc plan`: print its plan.
 
     moe-lc train                                   # the smoke recipe
     moe-lc train recipe=proxy-8k optim.lr=1e-3     # any recipe, any field
-    moe-lc train recipe=k3-8k plan_only=true       # validate and print the plan
+    moe-lc plan k3-8k                              # validate every stage and print the plan
     moe-lc train --cfg                             # print the composed config
     moe-lc train --list                            # recipes and config-group options
 
@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from moe_lc.config import ConfigError
 
-FLAGS = ("--cfg", "--plan", "--list", "--help", "-h")
+FLAGS = ("--cfg", "--list", "--help", "-h")
 
 
 def _usage() -> str:
-    return "usage: moe-lc train [recipe=NAME] [key=value ...] [--cfg | --plan | --list | --help]\n" + __doc__.split("\n", 1)[1]
+    return "usage: moe-lc train [recipe=NAME] [key=value ...] [--cfg | --list | --help]\n" + __doc__.split("\n", 1)[1]
 
 
 def _listing() -> str:
@@ -47,30 +47,51 @@ def run_train_cli(argv: Optional[Sequence[str]] = None) -> int:
     unknown = [f for f in flags if f not in FLAGS]
     if unknown:
         print(f"error: unknown option(s) {' '.join(unknown)}; options: {' '.join(FLAGS)}; "
-              "everything else is key=value", file=sys.stderr)
+              "everything else is key=value (plan a recipe with `moe-lc plan NAME`)", file=sys.stderr)
         return 2
     if "-h" in flags or "--help" in flags:
         print(_usage())
         print(_listing())
         return 0
-    try:
+
+    def compose_and_train() -> None:
         if "--list" in flags:
             print(_listing())
-            return 0
+            return
         recipe, rdir, rest = split_recipe_args(overrides)
         cfg = compose_recipe(recipe, rest, recipes_dir(rdir))
         if "--cfg" in flags:
             print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-            return 0
-        if cfg.plan_only or "--plan" in flags:
-            from moe_lc.train.plan import plan_text
+            return
+        from moe_lc.train.trainer import train as run
 
-            world = cfg.layout.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-            print(plan_text(cfg, world))
-            return 0
-        from moe_lc.train.trainer import train
+        run(cfg)
 
-        train(cfg)
+    return _exit_code(compose_and_train)
+
+
+def run_plan_cli(recipe: str, overrides: Sequence[str] = ()) -> int:
+    """`moe-lc plan RECIPE [key=value ...]`: compose, check every stage and print the plan.
+
+    The plan is for `layout.world_size` ranks when the recipe pins it, else for $WORLD_SIZE
+    (1 when unset), so `layout.world_size=N` plans a recipe for N ranks.
+    """
+    from moe_lc.train.recipes import compose_recipe, recipes_dir, split_recipe_args
+
+    def plan() -> None:
+        from moe_lc.train.plan import plan_text
+
+        _, rdir, rest = split_recipe_args(overrides)
+        cfg = compose_recipe(recipe, rest, recipes_dir(rdir))
+        print(plan_text(cfg, cfg.layout.world_size or int(os.environ.get("WORLD_SIZE", "1"))))
+
+    return _exit_code(plan)
+
+
+def _exit_code(job: Callable[[], None]) -> int:
+    """Run `job`; bad input becomes one line on stderr and exit code 2, a diverged run exit code 1."""
+    try:
+        job()
         return 0
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -16,8 +16,8 @@ from torch import nn
 
 from moe_lc.config import ConfigError, ModelConfig
 from moe_lc.optim import OptimConfig, build_optimizer, clip_grad_norm
+from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.train.balancer_state import pack_balancer_state
-from moe_lc.train.layout import ResolvedLayout, check_with_engine, engine_notes, to_parallel_layout
 from moe_lc.train.runtime import Runtime
 
 
@@ -25,7 +25,7 @@ from moe_lc.train.runtime import Runtime
 class ModelState:
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    layout: ResolvedLayout
+    layout: ParallelLayout
     mesh: Optional[Any]  # DeviceMesh when parallelized
     dp_rank: int
     dp_size: int
@@ -79,10 +79,11 @@ def _optimizer_over(model: nn.Module, cfg: OptimConfig):
 
 
 def build_model_state(
-    model_cfg: ModelConfig, optim_cfg: OptimConfig, layout: ResolvedLayout, runtime: Runtime, seed: int
+    model_cfg: ModelConfig, optim_cfg: OptimConfig, layout: ParallelLayout, runtime: Runtime, seed: int
 ) -> ModelState:
     from moe_lc.model.init import build_model
 
+    layout.validate(model_cfg, runnable=True)  # before building anything: pp/cp > 1 are only planned so far
     model = pack_balancer_state(build_model(model_cfg, device=runtime.device, seed=seed, dtype=torch.float32))
     if runtime.world_size == 1:
         if layout.world_size != 1:
@@ -90,15 +91,10 @@ def build_model_state(
         model.train()
         return ModelState(model, build_optimizer(model, optim_cfg), layout, None, 0, 1, None, True)
 
-    notes = engine_notes(layout)
-    if notes:
-        raise ConfigError("cannot run this layout: " + "; ".join(notes) + " in moe_lc.parallel")
     from moe_lc import parallel
 
-    check_with_engine(layout, model_cfg, "layout", planning=False)
-    engine_layout = to_parallel_layout(layout)
-    mesh = parallel.build_mesh(engine_layout, runtime.world_size, runtime.device.type)
-    model = parallel.parallelize(model, engine_layout, mesh)
+    mesh = parallel.build_mesh(layout, runtime.world_size, runtime.device.type)
+    model = parallel.parallelize(model, layout, mesh)
     model.train()
     if layout.dp_mode == "zero1":
         optimizer = parallel.build_optimizer(model, _optimizer_over(model, optim_cfg))

@@ -1,4 +1,4 @@
-"""`plan_only=true`: what a recipe would do, without building anything.
+"""`moe-lc plan RECIPE`: what a recipe would do, without building anything.
 
 Per stage: tokens and sequences per step, gradient accumulation, steps, FLOPs, and a memory
 estimate per GPU. The memory model is deliberately simple (it is for sizing layouts, not a
@@ -24,7 +24,6 @@ from moe_lc.config import ModelConfig
 from moe_lc.model.accounting import count_parameters, training_flops_per_token
 from moe_lc.train.config import TrainConfig
 from moe_lc.train.curriculum import StagePlan, plan_curriculum, total_steps
-from moe_lc.train.layout import engine_notes
 
 GiB = 1024**3
 H200_BF16_PEAK = 989e12
@@ -112,8 +111,8 @@ def _human(n: float) -> str:
 
 
 def plan_text(cfg: TrainConfig, world_size: int) -> str:
-    """The human-readable plan of a recipe for `world_size` ranks."""
-    plans = plan_curriculum(cfg, world_size)
+    """The human-readable plan of a recipe for `world_size` ranks (every stage checked, run or not)."""
+    plans = plan_curriculum(cfg, world_size, every_stage=True)
     rep = count_parameters(cfg.model)
     n_total = total_steps(plans)
     lines = [
@@ -142,7 +141,11 @@ def plan_text(cfg: TrainConfig, world_size: int) -> str:
             f"  logits {est.logits_gib:6.2f}  => {est.total_gib:9.2f} | {est.total_recompute_gib:8.2f}"
             f"   ~{hours:,.1f} h on {p.layout.world_size} H200 at {PLAN_MFU:.0%} MFU"
         )
-    notes = sorted({n for p in plans for n in engine_notes(p.layout)})
-    if notes:
-        lines += ["", "not runnable yet (moe_lc.parallel): " + "; ".join(notes)]
+    lowered = {p.name: p.layout.lowered_from(p.requested) for p in plans}
+    fitted = "; ".join(f"{name} {', '.join(changes)}" for name, changes in lowered.items() if changes)
+    if fitted:
+        lines += ["", f"fitted to {world_size} rank(s): {fitted} (layout.world_size=N plans for N ranks)"]
+    missing = [f"{p.name}: {', '.join(p.layout.not_implemented())}" for p in plans if p.layout.not_implemented()]
+    if missing:
+        lines += ["", "not implemented yet in moe_lc.parallel (planned, cannot train): " + "; ".join(missing)]
     return "\n".join(lines)

@@ -8,15 +8,20 @@ is a Hydra override (`key=value`, `group=option`, `+new.key=value`, `~key`).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
+import re
+import typing
+from enum import Enum
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from moe_lc.config import ConfigError
+from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.train.config import PRESET_GROUP, SCHEMA_NAME, TrainConfig, register_configs
 
 DEFAULT_RECIPE = "smoke"
@@ -116,16 +121,69 @@ def _explain_compose_error(err: BaseException, root: Path) -> str:
         from moe_lc.presets import PRESETS
 
         return f"unknown model preset in a recipes/model file; presets: {', '.join(sorted(PRESETS))}"
-    causes = [_first_line(err)]
-    cause = err.__cause__
-    while cause is not None:
-        causes.append(_first_line(cause))
-        cause = cause.__cause__
-    return ": ".join(causes)
+    causes = [err]  # Hydra chains the OmegaConf error as the cause (overrides) or the context (recipe files)
+    while (causes[-1].__cause__ or causes[-1].__context__) is not None:
+        causes.append(causes[-1].__cause__ or causes[-1].__context__)
+    for cause in causes:
+        line = explain_field_error(cause)
+        if line is not None:
+            return line
+    hint = [line for line in text.splitlines() if line.startswith("To append")]  # Hydra's own fix, when it has one
+    if hint:
+        return f"{_first_line(err)} {hint[0]}"
+    return ": ".join(_first_line(c) for c in causes)
+
+
+def explain_field_error(err: BaseException, prefix: str = "") -> Optional[str]:
+    """One line for a bad key or value of a schema field, e.g. `layout.dp_mode='fsd': use one of fsdp, zero1`.
+
+    None when `err` is not about a field of a dataclass node (the caller says what it can).
+    """
+    kind = getattr(err, "object_type", None)
+    key = getattr(err, "full_key", None)
+    if not (isinstance(err, OmegaConfBaseException) and dataclasses.is_dataclass(kind) and key):
+        return None
+    where = f"{prefix}.{key}" if prefix else key
+    names = [f.name for f in dataclasses.fields(kind)]
+    if isinstance(err, (ConfigAttributeError, ConfigKeyError)) and err.key not in names:
+        return f"{where}: no such field; {kind.__name__} has {', '.join(names)}"
+    if not isinstance(err, ValidationError) or err.key not in names:
+        return None
+    quoted = re.search(r"'(.*?)'", str(err))
+    value = f"={quoted.group(1)!r}" if quoted else ""
+    wanted = _field_type(kind, err.key)
+    if isinstance(wanted, type) and issubclass(wanted, Enum):
+        return f"{where}{value}: use one of {', '.join(m.name for m in wanted)}"
+    return f"{where}{value}: must be {getattr(wanted, '__name__', wanted)}"
+
+
+def _field_type(kind: type, name: str) -> Any:
+    """The declared type of a dataclass field, Optional[...] unwrapped."""
+    hint = typing.get_type_hints(kind)[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+
+
+def stage_layout(run_layout: ParallelLayout, stage: str, block: Optional[Mapping[str, Any]]) -> ParallelLayout:
+    """The run's layout with a stage's `layout:` block merged over it (OmegaConf checks each key and value)."""
+    where = f"curriculum.stages.{stage}.layout"
+    if block is None:
+        return run_layout
+    if not isinstance(block, Mapping):
+        raise ConfigError(f"{where}={block!r}: give the layout fields this stage changes, e.g. {{cp: 2}}")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(run_layout), block)
+    except OmegaConfBaseException as err:
+        raise ConfigError(explain_field_error(err, where) or f"{where}: {_first_line(err)}") from err
+    return OmegaConf.to_object(merged)
 
 
 def validate_train_config(cfg: TrainConfig) -> TrainConfig:
-    """Reject settings that cannot run, naming the field and the fix (the layout is checked per stage later)."""
+    """Reject settings that cannot run, naming the field and the fix.
+
+    Layouts get their world-independent checks here (keys, choices, positive degrees); the
+    world size and the model are checked per stage when the curriculum is planned.
+    """
 
     def need(cond: bool, msg: str) -> None:
         if not cond:
@@ -147,10 +205,16 @@ def validate_train_config(cfg: TrainConfig) -> TrainConfig:
     need(cfg.eval.sequences >= 0 and cfg.eval.passkey_documents >= 0, "eval.sequences and eval.passkey_documents must be >= 0")
     need(bool(cfg.data.sources), "data.sources is empty: give at least one {prefix: ..., weight: ...}")
 
+    cfg.layout.check_degrees()
     stages = cfg.curriculum.stages
     need(bool(stages), f"curriculum {cfg.curriculum.name!r} has no stages; add some under curriculum.stages")
     for name, st in stages.items():
         where = f"curriculum.stages.{name}"
+        layout = stage_layout(cfg.layout, name, st.layout)
+        try:
+            layout.check_degrees()
+        except ConfigError as err:
+            raise ConfigError(f"{where}: {err}") from err
         need(st.seq_len > 1, f"{where}.seq_len={st.seq_len} must be > 1")
         need(st.global_batch_tokens > 0, f"{where}.global_batch_tokens={st.global_batch_tokens} must be > 0")
         need(st.micro_batch >= 1, f"{where}.micro_batch={st.micro_batch} must be >= 1")
@@ -172,4 +236,4 @@ def validate_train_config(cfg: TrainConfig) -> TrainConfig:
 
 def config_to_dict(cfg: TrainConfig) -> dict:
     """A JSON-able snapshot of the whole configuration (saved with every checkpoint)."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)

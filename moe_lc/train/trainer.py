@@ -109,12 +109,6 @@ class Trainer:
 
         cfg = self.cfg
         wall_start = time.perf_counter()
-        if cfg.layout.world_size is not None and cfg.layout.world_size != rt.world_size:
-            raise ConfigError(
-                f"the layout is for {cfg.layout.world_size} rank(s) but {rt.world_size} were launched; "
-                f"launch {cfg.layout.world_size} (e.g. torchrun --nproc-per-node {cfg.layout.world_size}) "
-                "or choose another layout (layout=single for one process, or layout.world_size=null)"
-            )
         torch.manual_seed(cfg.seed)
         plans = plan_curriculum(cfg, rt.world_size)
         self.plans, self.total = plans, total_steps(plans)
