@@ -1,5 +1,5 @@
 """Pieces of the trainer checked against direct computations: data split over ranks and
-micro-batches, position buckets, loss weighting, balancer state packing, progress, sinks, MFU."""
+micro-batches, position buckets, loss weighting, progress, sinks, MFU."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ import torch.nn.functional as F
 
 from moe_lc.metrics import Progress, mfu, read_jsonl
 from moe_lc.metrics.sinks import JsonlWriter, truncate_after_step, wandb_mode
-from moe_lc.model.balancing import ExpertBalancer
-from moe_lc.train.balancer_state import pack_balancer_state
 from moe_lc.train.curriculum import plan_curriculum
 from moe_lc.train.data import StageData
 from moe_lc.train.evaluation import bucket_losses, merge_buckets, position_buckets, positions_in_documents, token_losses
@@ -62,21 +60,6 @@ def test_bucket_losses_equal_a_direct_average():
         assert b["tokens"] == len(sel)
         if sel:
             assert math.isclose(b["loss"], float(ref[sel].double().mean()), rel_tol=1e-6)
-
-
-def test_balancer_state_round_trips_through_one_tensor():
-    torch.manual_seed(0)
-    for exact in (False, True):
-        src, dst = ExpertBalancer(8, 2, exact=exact), ExpertBalancer(8, 2, exact=exact)
-        pack_balancer_state(src), pack_balancer_state(dst)
-        src.train()
-        src.select(torch.rand(50, 8))  # a step half-way: accumulators are non-empty
-        sd = src.state_dict()
-        extra = [v for k, v in sd.items() if k.endswith("_extra_state")]
-        assert len(extra) == 1 and isinstance(extra[0], torch.Tensor)
-        dst.load_state_dict(sd)
-        src.update(), dst.update()
-        assert torch.equal(src.bias, dst.bias) and torch.equal(src.last_loads, dst.last_loads)
 
 
 def test_progress_prints_lines_off_a_terminal_and_one_live_line_on_it():

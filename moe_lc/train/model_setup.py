@@ -16,7 +16,6 @@ from torch import nn
 
 from moe_lc.config import ConfigError, ModelConfig
 from moe_lc.optim import OptimConfig, build_optimizer, clip_grad_norm
-from moe_lc.train.balancer_state import pack_balancer_state
 from moe_lc.train.layout import ResolvedLayout, check_with_engine, engine_notes, to_parallel_layout
 from moe_lc.train.runtime import Runtime
 
@@ -83,7 +82,7 @@ def build_model_state(
 ) -> ModelState:
     from moe_lc.model.init import build_model
 
-    model = pack_balancer_state(build_model(model_cfg, device=runtime.device, seed=seed, dtype=torch.float32))
+    model = build_model(model_cfg, device=runtime.device, seed=seed, dtype=torch.float32)
     if runtime.world_size == 1:
         if layout.world_size != 1:
             raise ConfigError(f"the layout needs {layout.world_size} ranks but this is a single process")

@@ -38,7 +38,8 @@ from moe_lc.train.recipes import config_to_dict
 from moe_lc.train.runtime import Runtime, init_runtime
 from moe_lc.train.step import StepResult, train_step
 
-CHECKPOINT_FORMAT = 1
+# 2: each expert balancer's extra state is saved as its dict of tensors (1 packed it into one tensor)
+CHECKPOINT_FORMAT = 2
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM preemption / time limit warnings
 
 
@@ -274,6 +275,12 @@ class Trainer:
 
     def _check_compatible(self, saved: dict, path: Path) -> None:
         """Clear errors for a checkpoint of another model or tokenizer (before any tensor is read)."""
+        if isinstance(saved.get("format"), int) and saved["format"] < CHECKPOINT_FORMAT:
+            raise ConfigError(
+                f"{path} is a trainer checkpoint of format {saved['format']}; this moe-lc reads format "
+                f"{CHECKPOINT_FORMAT} (expert balancer state is now stored tensor by tensor). Finish that run "
+                "with the moe-lc version that wrote it, or start a new run in another run_dir"
+            )
         if saved.get("format") != CHECKPOINT_FORMAT:
             raise ConfigError(
                 f"{path} was not written by the moe-lc trainer (no trainer state of format {CHECKPOINT_FORMAT}); "
