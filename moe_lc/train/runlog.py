@@ -92,11 +92,10 @@ class RunLog:
         console.setFormatter(logging.Formatter("%(message)s"))
         log_file = logging.FileHandler(run_dir / LOG_FILE, mode="a", encoding="utf-8")
         log_file.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt=TIMESTAMP))
-        log = cls(_logger_with([console, log_file]), [console, log_file], progress, None, run_dir)
-        if metrics_after is not None:
-            log._metrics = _open_metrics(cfg, run_dir, metrics_after)
-            if cfg.logging.tensorboard and log._metrics.tb is None:
-                log.message(TENSORBOARD_MISSING)
+        metrics = _open_metrics(cfg, run_dir, metrics_after) if metrics_after is not None else None
+        log = cls(_logger_with([console, log_file]), [console, log_file], progress, metrics, run_dir)
+        if metrics is not None and cfg.logging.tensorboard and metrics.tb is None:
+            log.message(TENSORBOARD_MISSING)
         return log
 
     @classmethod
@@ -133,7 +132,7 @@ class RunLog:
         if self._run_dir is None:
             return
         try:
-            from moe_lc.report import render_report  # matplotlib: optional, imported only here
+            from moe_lc.report import render_report  # imports matplotlib: a broken install costs only the report
 
             paths = render_report(self._run_dir)
         except ImportError as err:
