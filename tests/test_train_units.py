@@ -1,5 +1,6 @@
 """Pieces of the trainer checked against direct computations: data split over ranks and
-micro-batches, position buckets, loss weighting, balancer state packing, progress, sinks, MFU."""
+micro-batches, position buckets, loss weighting, progress, sinks, MFU, the trainer state a
+checkpoint records and where a launch starts."""
 
 from __future__ import annotations
 
@@ -7,17 +8,19 @@ import io
 import json
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from moe_lc.checkpoint import CheckpointManager
+from moe_lc.config import ConfigError
 from moe_lc.metrics import Progress, mfu, read_jsonl
 from moe_lc.metrics.sinks import JsonlWriter, truncate_after_step, wandb_mode
-from moe_lc.model.balancing import ExpertBalancer
-from moe_lc.train.balancer_state import pack_balancer_state
 from moe_lc.train.curriculum import plan_curriculum
 from moe_lc.train.data import StageData
 from moe_lc.train.evaluation import bucket_losses, merge_buckets, position_buckets, positions_in_documents, token_losses
 from moe_lc.train.recipes import compose_recipe
+from moe_lc.train.resume import CHECKPOINT_FORMAT, RunPosition, TrainerState, find_start, read_trainer_state
 
 
 def test_micro_batches_cover_each_global_batch_once_for_any_split():
@@ -62,21 +65,6 @@ def test_bucket_losses_equal_a_direct_average():
         assert b["tokens"] == len(sel)
         if sel:
             assert math.isclose(b["loss"], float(ref[sel].double().mean()), rel_tol=1e-6)
-
-
-def test_balancer_state_round_trips_through_one_tensor():
-    torch.manual_seed(0)
-    for exact in (False, True):
-        src, dst = ExpertBalancer(8, 2, exact=exact), ExpertBalancer(8, 2, exact=exact)
-        pack_balancer_state(src), pack_balancer_state(dst)
-        src.train()
-        src.select(torch.rand(50, 8))  # a step half-way: accumulators are non-empty
-        sd = src.state_dict()
-        extra = [v for k, v in sd.items() if k.endswith("_extra_state")]
-        assert len(extra) == 1 and isinstance(extra[0], torch.Tensor)
-        dst.load_state_dict(sd)
-        src.update(), dst.update()
-        assert torch.equal(src.bias, dst.bias) and torch.equal(src.last_loads, dst.last_loads)
 
 
 def test_progress_prints_lines_off_a_terminal_and_one_live_line_on_it():
@@ -127,3 +115,49 @@ def test_wandb_is_offline_without_credentials(monkeypatch, tmp_path):
 def test_mfu_is_model_flops_over_peak():
     assert mfu(1000.0, 6e9, 1e15, 2) == 1000.0 * 6e9 / 2e15
     assert mfu(1000.0, 6e9, None, 1) is None
+
+
+def test_trainer_state_records_the_run_and_round_trips_through_json():
+    cfg = compose_recipe("smoke", [])
+    plans = plan_curriculum(cfg, 1)
+    ctx1k = plans[1]
+    position = RunPosition(ctx1k.start_step + 2, {"ctx256": 160, "ctx1k": 8}, 49152, 3.5)
+    state = TrainerState.of_run(cfg, plans, ctx1k, position, ctx1k.layout.as_dict())
+    position.advance(ctx1k, 8, 1.0)  # the state is a snapshot, not a view of the live position
+    saved = json.loads(json.dumps(state.to_dict()))
+    assert set(saved) == {"format", "step", "stage", "stage_step", "consumed", "tokens_seen", "train_time_s",
+                          "total_steps", "recipe", "curriculum", "layout", "model", "tokenizer", "config"}
+    assert saved["format"] == CHECKPOINT_FORMAT
+    assert (saved["step"], saved["stage"], saved["stage_step"], saved["total_steps"]) == (12, "ctx1k", 2, 22)
+    assert (saved["consumed"], saved["tokens_seen"], saved["train_time_s"]) == ({"ctx256": 160, "ctx1k": 8}, 49152, 3.5)
+    assert saved["curriculum"]["ctx1k"] == {"seq_len": 1024, "global_batch_tokens": 4096, "start_step": 10, "steps": 6}
+    assert saved["model"]["d_model"] == cfg.model.d_model and saved["tokenizer"] == "byte"
+    back = TrainerState.from_dict(saved)
+    assert back.position == RunPosition(12, {"ctx256": 160, "ctx1k": 8}, 49152, 3.5)
+    assert json.loads(json.dumps(back.to_dict())) == saved
+
+
+def test_trainer_state_of_another_format_or_writer_is_refused_with_the_fix(tmp_path):
+    (tmp_path / "trainer.json").write_text(json.dumps({"format": 1, "step": 3}))
+    with pytest.raises(ConfigError, match=f"format 1; this moe-lc reads format {CHECKPOINT_FORMAT}"):
+        read_trainer_state(tmp_path)
+    (tmp_path / "trainer.json").write_text(json.dumps({"step": 3}))
+    with pytest.raises(ConfigError, match="not written by the moe-lc trainer"):
+        read_trainer_state(tmp_path)
+    (tmp_path / "trainer.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": 3}))
+    with pytest.raises(ConfigError, match="incomplete or damaged .*'consumed'"):
+        read_trainer_state(tmp_path)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's single-process note, the skipped checkpoint
+def test_no_valid_checkpoint_means_a_fresh_start_with_a_warning(tmp_path):
+    root = tmp_path / "checkpoints"
+    path = CheckpointManager(root).save(3, {"model": torch.nn.Linear(2, 2), "rng": None})
+    victim = max(path.rglob("*.distcp"), key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[:-1])  # truncated: the manifest no longer matches
+    cfg = compose_recipe("smoke", [f"run_dir={tmp_path}"])
+    start = find_start(cfg, CheckpointManager(root))
+    assert (start.resume, start.init, start.position, start.resume_step) == (None, None, RunPosition(), 0)
+    assert start.warning == f"no valid checkpoint among 1 in {root}; starting fresh"
+    with pytest.raises(ConfigError, match="already holds checkpoints .*resume=auto"):
+        find_start(compose_recipe("smoke", [f"run_dir={tmp_path}", "resume=none"]), CheckpointManager(root))

@@ -2,7 +2,8 @@
 
 A save writes model + optimizer tensors with DCP (each rank writes its own shards;
 `get_state_dict` turns FSDP2/TP DTensor parameters into sharded state that DCP can
-re-shard on load), the trainer's JSON dict (rank 0) and every rank's RNG state into a
+re-shard on load; a module's extra state that is a dict of tensors is stored one entry
+per tensor), the trainer's JSON dict (rank 0) and every rank's RNG state into a
 temp directory; after all ranks are done, rank 0 writes the COMPLETE manifest, renames
 the directory to `step_XXXXXXXX`, points `latest` at it and prunes old checkpoints.
 See `ondisk.py` for the layout and why a crash at any moment is harmless.
@@ -20,7 +21,7 @@ import os
 import shutil
 import threading
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -437,8 +438,22 @@ def _named(keys: Iterable[str]) -> str:
     return shown + (f" (+{len(keys) - _MAX_NAMED} more)" if len(keys) > _MAX_NAMED else "")
 
 
+def _leaves(name: str, value: Any) -> Iterator[tuple[str, Any]]:
+    """The entries DCP stores for `value` under key `name`: nested dicts become dotted keys.
+
+    A module's extra state may be a dict of tensors (e.g. `ExpertBalancer.get_extra_state`);
+    DCP saves each of its tensors as `<name>.<key>`, so that is how it is matched on load.
+    Tuples and lists of numbers (optimizer hyperparameters) stay one entry, as in DCP.
+    """
+    if isinstance(value, Mapping):
+        for key, inner in value.items():
+            yield from _leaves(f"{name}.{key}", inner)
+    else:
+        yield name, value
+
+
 def _flat_keys(state: dict[str, dict[str, Any]]) -> set[str]:
-    return {f"{section}.{key}" for section, values in state.items() for key in values}
+    return {flat for section, values in state.items() for flat, _ in _leaves(section, values)}
 
 
 def _select_against_checkpoint(
@@ -462,19 +477,20 @@ def _select_against_checkpoint(
     for section, values in state.items():
         selected[section] = {}
         for key, value in values.items():
-            flat = f"{section}.{key}"
-            if flat not in saved:
-                if not flat.startswith(_PARAM_GROUPS):
-                    missing.append(flat)
+            leaves = list(_leaves(f"{section}.{key}", value))
+            absent = [flat for flat, _ in leaves if flat not in saved]
+            if absent:
+                missing += [flat for flat in absent if not flat.startswith(_PARAM_GROUPS)]
                 continue
-            stored = saved[flat]
-            if isinstance(value, torch.Tensor):
-                if not isinstance(stored, TensorStorageMetadata):
-                    misshapen.append(f"{flat} (tensor here, non-tensor in checkpoint)")
-                elif tuple(stored.size) != tuple(value.shape):
-                    misshapen.append(f"{flat} {tuple(stored.size)} in checkpoint vs {tuple(value.shape)} here")
-            elif isinstance(stored, TensorStorageMetadata):
-                misshapen.append(f"{flat} (non-tensor here, tensor in checkpoint)")
+            for flat, leaf in leaves:
+                stored = saved[flat]
+                if isinstance(leaf, torch.Tensor):
+                    if not isinstance(stored, TensorStorageMetadata):
+                        misshapen.append(f"{flat} (tensor here, non-tensor in checkpoint)")
+                    elif tuple(stored.size) != tuple(leaf.shape):
+                        misshapen.append(f"{flat} {tuple(stored.size)} in checkpoint vs {tuple(leaf.shape)} here")
+                elif isinstance(stored, TensorStorageMetadata):
+                    misshapen.append(f"{flat} (non-tensor here, tensor in checkpoint)")
             selected[section][key] = value
         prefix = section + "."
         unexpected += [

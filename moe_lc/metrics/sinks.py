@@ -1,4 +1,4 @@
-"""Where metrics go: a JSONL file (always), TensorBoard (when installed), wandb (when enabled).
+"""Where metrics go: JSONL files (always), TensorBoard (when installed), wandb (when enabled).
 
 One record per optimizer step is a flat-ish dict: scalars are logged everywhere; lists
 (per-layer MaxVio, per-expert loads) only go to JSONL, with per-layer MaxVio also sent to
@@ -13,6 +13,9 @@ import os
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
+
+METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.jsonl"
 
 
 class JsonlWriter:
@@ -82,12 +85,12 @@ def _scalars(record: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, fl
 
 
 class MetricSinks:
-    """metrics.jsonl plus the optional TensorBoard and wandb writers of a run (rank 0 only)."""
+    """A run's metrics.jsonl (one record per step) and eval.jsonl (one per stage end), plus the
+    optional TensorBoard and wandb writers; None where not requested or not installed."""
 
     def __init__(
         self,
         run_dir: Union[str, Path],
-        filename: str = "metrics.jsonl",
         tensorboard: bool = True,
         wandb: bool = False,
         wandb_project: str = "moe-lc",
@@ -96,12 +99,14 @@ class MetricSinks:
         config: Optional[dict] = None,
     ):
         self.run_dir = Path(run_dir)
-        self.jsonl = JsonlWriter(self.run_dir / filename)
+        self.jsonl = JsonlWriter(self.run_dir / METRICS_FILE)
+        self.eval_jsonl = JsonlWriter(self.run_dir / EVAL_FILE)
         self.tb = _tensorboard_writer(self.run_dir / "tensorboard") if tensorboard else None
         self.wandb = _wandb_run(self.run_dir, wandb_project, wandb_mode, run_name, config) if wandb else None
 
-    def log(self, record: dict[str, Any], step: int, jsonl: Optional[JsonlWriter] = None) -> None:
-        (jsonl or self.jsonl).write(record)
+    def log(self, record: dict[str, Any], step: int) -> None:
+        """One step's record: all of it to metrics.jsonl, its scalars to TensorBoard and wandb."""
+        self.jsonl.write(record)
         scalars = dict(_scalars({k: v for k, v in record.items() if k != "step"}))
         if self.tb is not None:
             for name, value in scalars.items():
@@ -110,8 +115,19 @@ class MetricSinks:
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
 
+    def log_eval(self, result: dict[str, Any], step: int) -> None:
+        """A stage-end evaluation: all of it to eval.jsonl, its float values as `eval/<key>` scalars."""
+        self.eval_jsonl.write(result)
+        scalars = {f"eval/{k}": v for k, v in result.items() if isinstance(v, float)}
+        if self.tb is not None:
+            for name, value in scalars.items():
+                self.tb.add_scalar(name, value, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
     def close(self) -> None:
         self.jsonl.close()
+        self.eval_jsonl.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:

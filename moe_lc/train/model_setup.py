@@ -17,7 +17,6 @@ from torch import nn
 from moe_lc.config import ConfigError, ModelConfig
 from moe_lc.optim import OptimConfig, build_optimizer, clip_grad_norm
 from moe_lc.parallel.layout import ParallelLayout
-from moe_lc.train.balancer_state import pack_balancer_state
 from moe_lc.train.runtime import Runtime
 
 
@@ -84,7 +83,7 @@ def build_model_state(
     from moe_lc.model.init import build_model
 
     layout.validate(model_cfg, runnable=True)  # before building anything: pp/cp > 1 are only planned so far
-    model = pack_balancer_state(build_model(model_cfg, device=runtime.device, seed=seed, dtype=torch.float32))
+    model = build_model(model_cfg, device=runtime.device, seed=seed, dtype=torch.float32)
     if runtime.world_size == 1:
         if layout.world_size != 1:
             raise ConfigError(f"the layout needs {layout.world_size} ranks but this is a single process")
