@@ -79,7 +79,7 @@ class KDAttention(nn.Module):
         k = self.k_conv(self.k_proj(x), docs, **conv).view(B, T, -1, K)
         v = self.v_conv(self.v_proj(x), docs, **conv).view(B, T, -1, K)
         z = self.decay_up(self.decay_down(x)).view(B, T, -1, K)
-        # the gate's floor is static (g_min, or none for softplus): the kernels are told, never check g
+        # the gate's floor is static (g_min; none for softplus), handed down so no kernel reads g to learn it
         lower = self.cfg.g_min if self.cfg.gate == "bounded" else None
         # L2 norm of q and k, the gate and beta's sigmoid run inside the kernels where they can
         o, _ = chunk_kda_from_projections(q, k, v, z, self.beta_proj(x), self.A_log, self.dt_bias, lower_bound=lower,
