@@ -34,6 +34,7 @@ import time
 
 import torch
 
+from moe_lc.ops.documents import DocumentBounds
 from moe_lc.ops.kda import chunk_kda as reference_chunk_kda
 from moe_lc.ops.kda import kda_gate
 from moe_lc_kernels.kda import CHUNK, TUNING, chunk_kda_fused
@@ -66,20 +67,20 @@ def make_inputs(batch, seq_len, heads, dim, docs, device, dtype, seed):
     if docs == "random":
         rng = random.Random(seed)
         cuts = sorted(rng.sample(range(1, seq_len), 23))
-        cu = torch.tensor([0, *cuts, seq_len], dtype=torch.int32, device=device)
+        cu = DocumentBounds.from_host([0, *cuts, seq_len], device)
     elif docs is not None:
-        cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        cu = DocumentBounds.from_host([0, *torch.tensor(docs).cumsum(0).tolist()], device)
     return dict(q=q, k=k, v=v, z=z, beta=beta, A_log=a_log, dt_bias=dt_bias), cu
 
 
 def num_seqs(batch, cu):
-    return batch if cu is None else len(cu) - 1
+    return batch if cu is None else cu.num_docs
 
 
 # ----------------------------------------------------------------------------- implementations
 def ours(x, cu, h0=None, final=False, segment_chunks=None):
     return chunk_kda_fused(x["q"], x["k"], x["v"], x["z"], x["beta"], x["A_log"], x["dt_bias"], LOWER_BOUND,
-                           initial_state=h0, output_final_state=final, cu_seqlens=cu,
+                           initial_state=h0, output_final_state=final, seq_bounds=None if cu is None else cu.host,
                            segment_chunks=segment_chunks)
 
 
@@ -94,7 +95,7 @@ def fla_fn():
         return fla_chunk_kda(x["q"], x["k"], x["v"], x["z"], x["beta"], initial_state=h0, output_final_state=final,
                              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                              safe_gate=True, lower_bound=LOWER_BOUND, A_log=x["A_log"], dt_bias=x["dt_bias"],
-                             cu_seqlens=None if cu is None else cu.long())
+                             cu_seqlens=None if cu is None else cu.cu_seqlens.long())
 
     return run
 
@@ -107,7 +108,7 @@ def reference(x, cu, h0=None, dtype=torch.float64):
     g = kda_gate(up["z"], up["A_log"], up["dt_bias"], lower_bound=LOWER_BOUND)
     return reference_chunk_kda(qn, kn, up["v"], g, torch.sigmoid(up["beta"]),
                                initial_state=None if h0 is None else h0.to(dtype), output_final_state=True,
-                               cu_seqlens=cu, backend="torch")
+                               docs=cu, backend="torch")
 
 
 # ----------------------------------------------------------------------------- checks
@@ -255,7 +256,7 @@ def bench_shape(name, impls, bandwidth, flops, device, with_torch):
     dim = 128
     x, cu = make_inputs(batch, seq_len, heads, dim, docs, device, torch.bfloat16, 7)
     tokens = batch * seq_len
-    result = {"shape": name, "B": batch, "T": seq_len, "H": heads, "docs": None if cu is None else len(cu) - 1}
+    result = {"shape": name, "B": batch, "T": seq_len, "H": heads, "docs": None if cu is None else cu.num_docs}
     for label, fn in impls.items():
         if fn is None or (label == "torch" and not with_torch):
             continue

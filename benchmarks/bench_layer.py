@@ -46,18 +46,20 @@ def torch_conv():
 
 def unfused(kda_backend: str):
     def composed(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound=-5.0, scale=None, initial_state=None,
-                 output_final_state=False, cu_seqlens=None, backend="auto"):
+                 output_final_state=False, docs=None, backend="auto"):
         return kda_projections._composed(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound,
                                          q.shape[-1] ** -0.5 if scale is None else scale, initial_state,
-                                         output_final_state, cu_seqlens, kda_backend=kda_backend)
+                                         output_final_state, docs, kda_backend=kda_backend)
 
     return patched(layer_module, "chunk_kda_from_projections", composed)
 
 
 def gate_floors_ignored():
+    """The bounded-gate check as it was before the kernels were given the gate's floor: read g.min()."""
     import moe_lc_kernels.kda as kernels_kda
 
-    return patched(kernels_kda, "known_gate_floor", lambda g: None)
+    original = kernels_kda.gate_is_bounded
+    return patched(kernels_kda, "gate_is_bounded", lambda g, lower_bound=None: original(g, None))
 
 
 def variants(backend: str) -> dict:

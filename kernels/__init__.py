@@ -1,7 +1,9 @@
 """moe_lc_kernels: Triton kernels for moe-lc (importable without a GPU and without Triton).
 
 Everything that needs Triton is imported on first use, so ``import moe_lc_kernels`` works on any
-machine; :func:`triton_available` says whether the kernels can run here.
+machine; :func:`triton_available` says whether the kernels can run here. The package imports
+nothing from the moe-lc framework (its ops call these kernels, never the reverse): everything a
+kernel needs, document boundaries on the host and the gate's floor included, is an argument.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import importlib.util
 import os
 from typing import Any
 
-__all__ = ["triton_available", "chunk_kda_fused", "chunk_kda_triton", "segment_transition"]
+__all__ = ["triton_available", "chunk_kda_fused", "chunk_kda_triton"]
 
 
 def triton_available(device_type: str = "cuda") -> bool:
@@ -27,8 +29,4 @@ def __getattr__(name: str) -> Any:
         from moe_lc_kernels import kda
 
         return getattr(kda, name)
-    if name == "segment_transition":
-        from moe_lc_kernels.segments import segment_transition
-
-        return segment_transition
     raise AttributeError(f"module 'moe_lc_kernels' has no attribute {name!r}")

@@ -4,8 +4,13 @@ Two entry points:
 - :func:`chunk_kda_fused` takes the raw projections (q, k before L2 norm, the decay logit z with
   ``A_log``/``dt_bias``/``lower_bound``, beta logits) and fuses L2 norm, bounded gate, in-chunk
   cumsum and beta sigmoid into the kernels (what a layer should call for speed).
-- :func:`chunk_kda_triton` has the signature of the ``moe_lc.ops.kda`` backends (normalised q/k,
-  log-decay g, beta in (0, 1)); it is registered there as backend ``"triton"``.
+- :func:`chunk_kda_triton` takes what a KDA op backend takes (normalised q/k, log-decay g, beta in
+  (0, 1)); the moe-lc KDA op registers it as its backend ``"triton"``.
+
+Packed documents come as host boundaries (``seq_bounds``, the FlashAttention ``cu_seqlens`` as
+ints): the launch plan is built on the host from them, and the kernels never need the device copy.
+The bounded gate's floor comes as an argument too (``lower_bound`` / ``gate_lower_bound``), so that
+nothing is read back from the GPU to check it.
 
 Long sequences with few heads (B*H small) leave most multiprocessors idle in a serial state pass.
 The plan then cuts every sequence into segments of ``segment_chunks`` chunks and runs
@@ -23,7 +28,7 @@ cumsum G (one fp32 [T, H, K], 2.1 GB there) and [T, H, K] fp32 scratch only whil
 backward runs (``bwd_states`` in TUNING).
 
 Plans (chunk and segment tables) are cached per (lengths, device, segments) and uploaded in one
-pinned, non-blocking copy: a copy from pageable memory synchronised the stream on every call and
+pinned, non-blocking copy (``transfer.upload``): a copy from pageable memory synchronised the stream on every call and
 left the GPU idle while the host launched the next kernels (0.6 ms of 2.7 at B=8,T=4K).
 """
 
@@ -32,15 +37,15 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from moe_lc.ops.documents import host_bounds, upload
-from moe_lc.ops.gate_floor import known_gate_floor
+from moe_lc_kernels.transfer import upload
 
 CHUNK = 64
-# Launch choices (benchmarked in kernels/NOTES.md); MOE_LC_KDA_TUNING="key=value,..." overrides.
+# Launch choices (docs/performance.md §4.9); MOE_LC_KDA_TUNING="key=value,..." overrides.
 # Backward products: ``score_prec`` for the key-tile score gradients, whose contributions to dG
 # cancel in pairs (at "tf32" the kernel rounds their operands itself so that the pairs stay equal),
 # ``bwd_prec`` for all the others. ``*_maxnreg``: a register cap per thread (0: the compiler's).
@@ -511,7 +516,9 @@ class _ChunkKDAFunction(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- entry points
-def _check(name: str, q: Tensor, k: Tensor, v: Tensor, gz: Tensor, beta: Tensor, cu_seqlens, initial_state):
+def _check(name: str, q: Tensor, k: Tensor, v: Tensor, gz: Tensor, beta: Tensor, seq_bounds: Sequence[int] | None,
+           initial_state) -> list[int]:
+    """Shape checks; returns the length of every sequence (packed document or batch row)."""
     if q.dim() != 4 or k.shape != q.shape or gz.shape != q.shape:
         raise ValueError(f"{name}: q, k and g/z must be [B, T, H, K] of one shape, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(gz.shape)}")
@@ -526,15 +533,16 @@ def _check(name: str, q: Tensor, k: Tensor, v: Tensor, gz: Tensor, beta: Tensor,
         if not kernel_head_dim_ok(dim):
             raise ValueError(f"{name}: head dim {label}={dim} must be a power of two in [16, 256]; "
                              f'use backend="torch" for other sizes')
-    if cu_seqlens is None:
+    if seq_bounds is None:
         lens = [seq_len] * batch
     else:
         if batch != 1:
-            raise ValueError(f"{name}: with cu_seqlens the documents are packed in one row, so B must be 1 "
+            raise ValueError(f"{name}: with seq_bounds the documents are packed in one row, so B must be 1 "
                              f"(got B={batch})")
-        bounds = host_bounds(cu_seqlens)
-        if bounds[0] != 0 or bounds[-1] != seq_len or any(b <= a for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"{name}: cu_seqlens must rise strictly from 0 to T={seq_len}, got {bounds}")
+        bounds = [int(b) for b in seq_bounds]
+        if (len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != seq_len
+                or any(b <= a for a, b in zip(bounds, bounds[1:]))):
+            raise ValueError(f"{name}: seq_bounds must rise strictly from 0 to T={seq_len}, got {bounds}")
         lens = [b - a for a, b in zip(bounds, bounds[1:])]
     if initial_state is not None and initial_state.shape != (len(lens), heads, key_dim, value_dim):
         raise ValueError(f"{name}: initial_state must be [N, H, K, V] = {(len(lens), heads, key_dim, value_dim)}, "
@@ -542,8 +550,7 @@ def _check(name: str, q: Tensor, k: Tensor, v: Tensor, gz: Tensor, beta: Tensor,
     return lens
 
 
-def _run(q, k, v, gz, beta, A_log, dt_bias, initial_state, output_final_state, cu_seqlens, flags,
-         segment_chunks, lens):
+def _run(q, k, v, gz, beta, A_log, dt_bias, initial_state, output_final_state, flags, segment_chunks, lens):
     batch, seq_len, heads, _ = q.shape
     value_dim = v.shape[-1]
     if segment_chunks == 0:
@@ -569,22 +576,23 @@ def chunk_kda_fused(
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
+    seq_bounds: Sequence[int] | None = None,
     segment_chunks: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """KDA from raw projections, everything fused: returns ``(o, final_state or None)``.
 
     Computes ``q/|q|``, ``k/|k|`` (``x / sqrt(sum x^2 + 1e-6)``), ``g = lower_bound *
     sigmoid(exp(A_log) * (z + dt_bias))``, ``beta = sigmoid(beta_logits)`` inside the kernels and
-    then :func:`moe_lc.ops.kda.chunk_kda`. Shapes as there; ``A_log`` [H], ``dt_bias`` [H*K] or
-    [H, K]. ``segment_chunks``: chunks per parallel segment (None: automatic, 0: never split).
+    then KDA as :func:`chunk_kda_triton`. Shapes as there; ``A_log`` [H], ``dt_bias`` [H*K] or
+    [H, K]. ``seq_bounds``: host boundaries of packed documents (0, ..., T; B must be 1).
+    ``segment_chunks``: chunks per parallel segment (None: automatic, 0: never split).
     Differentiable in q, k, v, z, beta_logits, A_log, dt_bias and initial_state.
     """
     if lower_bound is None or not lower_bound < 0 or lower_bound < -GATE_SPAN_LIMIT:
         raise ValueError(f"chunk_kda_fused: lower_bound must be in [-{GATE_SPAN_LIMIT}, 0) (the bounded gate; got "
-                         f"{lower_bound}); for the unbounded softplus gate use moe_lc.ops.kda.chunk_kda with "
-                         f'backend="torch"')
-    lens = _check("chunk_kda_fused", q, k, v, z, beta_logits, cu_seqlens, initial_state)
+                         f"{lower_bound}); the unbounded softplus gate needs a non-Triton KDA implementation "
+                         "(the torch backend)")
+    lens = _check("chunk_kda_fused", q, k, v, z, beta_logits, seq_bounds, initial_state)
     heads, key_dim = q.shape[2], q.shape[3]
     if A_log.shape != (heads,):
         raise ValueError(f"chunk_kda_fused: A_log must be [H]=[{heads}], got {tuple(A_log.shape)}")
@@ -593,12 +601,12 @@ def chunk_kda_fused(
             raise ValueError(f"chunk_kda_fused: dt_bias must have H*K={heads * key_dim} entries, got {tuple(dt_bias.shape)}")
     flags = _Flags(gate_in_kernel=True, l2norm=True, beta_sigmoid=True,
                    scale=key_dim**-0.5 if scale is None else float(scale), lower_bound=float(lower_bound))
-    return _run(q, k, v, z, beta_logits, A_log, dt_bias, initial_state, output_final_state, cu_seqlens, flags,
-                segment_chunks, lens)
+    return _run(q, k, v, z, beta_logits, A_log, dt_bias, initial_state, output_final_state, flags, segment_chunks,
+                lens)
 
 
 # Largest head dim run forward and backward on an H200 (d=128: every output and gradient within
-# 5.3e-3 of float64; larger dims were never compiled for a GPU; see kernels/NOTES.md).
+# 5.3e-3 of float64; larger dims were never compiled for a GPU; see docs/performance.md §9).
 MAX_TRAINING_HEAD_DIM = 128
 
 
@@ -612,12 +620,11 @@ def training_dims_ok(key_dim: int, value_dim: int) -> bool:
     return all(kernel_head_dim_ok(d) and d <= MAX_TRAINING_HEAD_DIM for d in (key_dim, value_dim))
 
 
-def gate_is_bounded(g: Tensor) -> bool:
-    """Whether every per-step log-decay is within the span the dense tile path handles: from the
-    floor ``kda_gate`` recorded for ``g`` when it is within that span, else by reading ``g.min()``
-    (a device-to-host copy, which waits for the queued GPU work)."""
-    floor = known_gate_floor(g)
-    if floor is not None and floor >= -GATE_SPAN_LIMIT:
+def gate_is_bounded(g: Tensor, lower_bound: float | None = None) -> bool:
+    """Whether every per-step log-decay is within the span the dense tile path handles: from
+    ``lower_bound`` (a floor the caller guarantees for ``g``) when it is within that span, else by
+    reading ``g.min()`` (a device-to-host copy, which waits for the queued GPU work)."""
+    if lower_bound is not None and lower_bound >= -GATE_SPAN_LIMIT:
         return True
     return bool(g.numel() == 0 or float(g.detach().min()) >= -GATE_SPAN_LIMIT)
 
@@ -631,19 +638,22 @@ def chunk_kda_triton(
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
+    seq_bounds: Sequence[int] | None = None,
+    gate_lower_bound: float | None = None,
     segment_chunks: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """The ``moe_lc.ops.kda`` backend signature on the Triton kernels (q, k, g, beta as given).
+    """KDA on the Triton kernels with q, k, g, beta as given (normalised q/k, log-decay g, beta in (0, 1)).
 
-    ``g`` must be a bounded log-decay (every step >= -5.5, e.g. :func:`kda_gate` with
-    ``lower_bound=-5``); for unbounded gates use the torch backend.
+    q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; states [N, H, K, V]; ``seq_bounds``:
+    host boundaries of packed documents (0, ..., T; B must be 1). ``g`` must be a bounded log-decay
+    (every step >= -5.5, e.g. the bounded gate with lower bound -5). ``gate_lower_bound``: a floor
+    the caller guarantees for ``g`` (not checked); without one, ``g.min()`` is read to check it (a
+    device-to-host copy that waits for the queued GPU work). Unbounded gates need the torch backend.
     """
-    lens = _check("chunk_kda_triton", q, k, v, g, beta, cu_seqlens, initial_state)
-    if not gate_is_bounded(g):
-        raise ValueError(f"chunk_kda_triton: g reaches {float(g.detach().min()):.3g} < -{GATE_SPAN_LIMIT}; the Triton kernels "
-                         f'need the bounded gate (kda_gate(..., lower_bound=-5)); use backend="torch" otherwise')
+    lens = _check("chunk_kda_triton", q, k, v, g, beta, seq_bounds, initial_state)
+    if not gate_is_bounded(g, gate_lower_bound):
+        raise ValueError(f"chunk_kda_triton: g reaches {float(g.detach().min()):.3g} < -{GATE_SPAN_LIMIT}; the Triton "
+                         "kernels need the bounded gate (lower bound -5); use the torch backend otherwise")
     flags = _Flags(gate_in_kernel=False, l2norm=False, beta_sigmoid=False,
                    scale=q.shape[-1] ** -0.5 if scale is None else float(scale), lower_bound=0.0)
-    return _run(q, k, v, g, beta, None, None, initial_state, output_final_state, cu_seqlens, flags,
-                segment_chunks, lens)
+    return _run(q, k, v, g, beta, None, None, initial_state, output_final_state, flags, segment_chunks, lens)

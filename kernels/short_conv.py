@@ -5,7 +5,8 @@ pre-activation, the backward recomputes it. Backward: with SiLU a kernel writes 
 gradient dy = dout * silu'(y); then one kernel writes dx and per-program fp32 partial sums of
 dweight ([programs along B*T, W, C]: 2W / BT of x's bf16 bytes, 1/16 at W=4, BT=128), summed here
 in torch: no atomics, so the gradients are deterministic. Triton is imported on first use, so this
-module imports without it (``moe_lc.ops.short_conv.short_conv`` is the public entry point).
+module imports without it (moe-lc's ``short_conv`` op is the public entry point: it checks the
+inputs and picks these kernels or its PyTorch reference).
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ def short_conv_triton(x: Tensor, weight: Tensor, pos: Optional[Tensor] = None, s
     """act(causal depthwise conv) of x [B, T, C] with weight [C, W], output in x's dtype.
 
     ``pos``: int32 [T] position of every token in its document (packed documents; B == 1), or
-    None for one sequence per row. Use ``moe_lc.ops.short_conv.short_conv``, which checks the
-    inputs and turns cu_seqlens into ``pos``.
+    None for one sequence per row. moe-lc's ``short_conv`` op checks the inputs and turns document
+    boundaries into ``pos``.
     """
     if x.dtype not in DTYPES or weight.dtype not in DTYPES:
         raise ValueError(f"short_conv_triton: x and weight must be fp32/bf16/fp16, got {x.dtype}, {weight.dtype}")
@@ -98,9 +99,7 @@ def short_conv_triton(x: Tensor, weight: Tensor, pos: Optional[Tensor] = None, s
         raise ValueError(f"short_conv_triton: at most {MAX_WIDTH} taps, got W = {weight.shape[1]}")
     if pos is not None and (pos.dtype != torch.int32 or pos.shape != (x.shape[1],)):
         raise ValueError(f"short_conv_triton: pos must be int32 [T = {x.shape[1]}], got {pos.dtype} {tuple(pos.shape)}")
-    if x.numel() == 0:  # nothing to launch; keep autograd's shapes right
-        from moe_lc.ops.short_conv import causal_depthwise_conv
-
-        y = causal_depthwise_conv(x, weight.to(x.dtype))
+    if x.numel() == 0:  # nothing to launch: an empty output that autograd connects to x and weight
+        y = x * weight[:, -1].to(x.dtype)
         return torch.nn.functional.silu(y) if silu else y
     return _ShortConvFunction.apply(x.contiguous(), weight.contiguous(), pos, silu)

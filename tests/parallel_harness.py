@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from moe_lc.model.transformer import IGNORE_INDEX
+from moe_lc.ops.documents import DocumentBounds
 
 
 # ----------------------------------------------------------------------------- spawning
@@ -176,7 +177,8 @@ def train_step(model, optimizer, micro_batches: list[MicroBatch], mesh=None, gra
     loss_sum = torch.zeros(())
     for i, mb in enumerate(micro_batches):
         set_gradient_sync(model, i == len(micro_batches) - 1)
-        out = model(mb.input_ids, labels=mb.labels, cu_seqlens=mb.cu_seqlens, return_logits=False)
+        docs = DocumentBounds.from_host(mb.cu_seqlens, mb.input_ids.device)
+        out = model(mb.input_ids, labels=mb.labels, docs=docs, return_logits=False)
         loss = out.lm_loss * (mb.label_tokens / total)
         loss.backward()
         loss_sum += loss.detach()

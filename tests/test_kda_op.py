@@ -8,7 +8,9 @@ import torch.nn.functional as F
 
 from moe_lc.ops import kda
 from moe_lc.ops._kda_chunk import _TileDecay, decayed_scores
+from moe_lc.ops.documents import DocumentBounds
 from moe_lc.ops.kda import chunk_kda, kda_gate, recurrent_kda, register_kda_backend
+from moe_lc.ops.kda_segments import segment_transition
 
 F64 = torch.float64
 
@@ -145,16 +147,16 @@ LENGTHS = [1, 63, 64, 65, 150, 7]
 
 
 def split_documents(lengths):
-    bounds = torch.tensor([0, *lengths]).cumsum(0)
-    return torch.tensor(bounds.tolist(), dtype=torch.int32), list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+    bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    return DocumentBounds.from_host(bounds, "cpu"), list(zip(bounds[:-1], bounds[1:]))
 
 
 @pytest.mark.parametrize("with_state", [False, True])
 def test_packed_documents_are_independent(with_state):
-    cu_seqlens, spans = split_documents(LENGTHS)
+    docs, spans = split_documents(LENGTHS)
     q, k, v, g, beta, s0 = make_inputs(1, sum(LENGTHS), 2, 16, 8, seed=8, num_states=len(LENGTHS))
     s0 = s0 if with_state else None
-    out, final = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, cu_seqlens=cu_seqlens)
+    out, final = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, docs=docs)
     assert final.shape == (len(LENGTHS), 2, 16, 8)
     for n, (start, end) in enumerate(spans):
         doc = [t[:, start:end] for t in (q, k, v, g, beta)]
@@ -162,16 +164,17 @@ def test_packed_documents_are_independent(with_state):
         ref_out, ref_final = recurrent_kda(*doc, initial_state=doc_state, output_final_state=True)
         assert rel(out[:, start:end], ref_out) < 1e-10, f"document {n}"
         assert rel(final[n : n + 1], ref_final) < 1e-10, f"document {n}"
+    # a plain cu_seqlens tensor works too (read once into DocumentBounds)
     packed_ref, packed_final = recurrent_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                                             cu_seqlens=cu_seqlens)
+                                             docs=docs.cu_seqlens)
     assert rel(out, packed_ref) < 1e-10 and rel(final, packed_final) < 1e-10
 
 
 # ----------------------------------------------------------------------------- gradients
-def _grads(fn, inputs, cu_seqlens=None):
+def _grads(fn, inputs, docs=None):
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     q, k, v, g, beta, s0 = leaves
-    out, final = fn(q, k, v, g, beta, initial_state=s0, output_final_state=True, cu_seqlens=cu_seqlens)
+    out, final = fn(q, k, v, g, beta, initial_state=s0, output_final_state=True, docs=docs)
     gen = torch.Generator().manual_seed(99)
     loss = (out * torch.randn(out.shape, dtype=F64, generator=gen)).sum()
     loss = loss + (final * torch.randn(final.shape, dtype=F64, generator=gen)).sum()
@@ -189,10 +192,10 @@ def test_gradients_match_recurrence(gate):
 
 
 def test_gradients_match_recurrence_packed():
-    cu_seqlens, _ = split_documents([5, 70, 20])
+    docs, _ = split_documents([5, 70, 20])
     inputs = make_inputs(1, 95, 2, 8, 6, seed=10, num_states=3)
-    chunk = _grads(chunk_kda, inputs, cu_seqlens)
-    ref = _grads(recurrent_kda, inputs, cu_seqlens)
+    chunk = _grads(chunk_kda, inputs, docs)
+    ref = _grads(recurrent_kda, inputs, docs)
     for name, got, want in zip(NAMES, chunk, ref):
         assert rel(got, want) < 1e-10, name
 
@@ -256,13 +259,17 @@ def test_backend_dispatch(monkeypatch):
     monkeypatch.setattr(kda, "_BACKENDS", dict(kda._BACKENDS))
     calls = []
 
-    def fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-        calls.append(scale)
+    def fake(q, k, v, g, beta, scale, initial_state, output_final_state, docs, gate_lower_bound):
+        calls.append((scale, docs, gate_lower_bound))
         return torch.zeros_like(v), None
 
     register_kda_backend("triton", fake, supports=lambda t: t.dtype == F64)
     chunk_kda(q, k, v, g, beta)  # auto prefers the fast kernel when it supports the inputs
-    assert calls == [8**-0.5]
+    assert calls == [(8**-0.5, None, None)]
+    # backends receive the documents as DocumentBounds and the caller's gate floor as given
+    chunk_kda(q[:1], k[:1], v[:1], g[:1], beta[:1], docs=torch.tensor([0, 15, 40]), gate_lower_bound=-5.0)
+    _, docs, floor = calls.pop()
+    assert docs.host == (0, 15, 40) and floor == -5.0
     out32, _ = chunk_kda(*(t.float() for t in (q, k, v, g, beta)))  # not supported -> torch
     assert len(calls) == 1 and rel(out32, torch_out) < 1e-5
 
@@ -283,10 +290,10 @@ def test_auto_prefers_triton_and_inputs_it_cannot_take_go_to_fla(monkeypatch):
     register_kda_backend("fla", lambda *a: calls.append("fla") or (torch.zeros_like(a[2]), None))
     for gate, dim in (("softplus_extreme", 16), ("bounded", 24)):  # unbounded gate; a head dim the kernels lack
         q, k, v, g, beta, _ = make_inputs(1, 40, 2, dim, dim, gate=gate, seed=16)
-        kda._triton_backend(q, k, v, g, beta, dim**-0.5, None, False, None)
+        kda._triton_backend(q, k, v, g, beta, dim**-0.5, None, False, None, None)
         assert calls.pop() == "fla"
     register_kda_backend("fla", lambda *a: calls.append("fla"), supports=lambda q: False)
-    out, _ = kda._triton_backend(q, k, v, g, beta, 24**-0.5, None, False, None)
+    out, _ = kda._triton_backend(q, k, v, g, beta, 24**-0.5, None, False, None, None)
     ref, _ = chunk_kda(q, k, v, g, beta, backend="torch")
     assert not calls and torch.equal(out, ref)
 
@@ -300,7 +307,7 @@ def test_clear_errors_on_bad_inputs():
         (dict(v=v[:, :9]), "v must be"),
         (dict(beta=beta[..., :1]), "beta must be"),
         (dict(initial_state=s0[:1]), "initial_state must be"),
-        (dict(cu_seqlens=torch.tensor([0, 4, 10])), "B must be 1"),
+        (dict(docs=torch.tensor([0, 4, 10])), "B must be 1"),
     ]
     base = dict(q=q, k=k, v=v, g=g, beta=beta)
     for fn in (chunk_kda, recurrent_kda):
@@ -310,17 +317,18 @@ def test_clear_errors_on_bad_inputs():
 
     packed = dict(q=q[:1], k=k[:1], v=v[:1], g=g[:1], beta=beta[:1])
     packed_cases = [
-        (torch.tensor([1, 4, 10]), "start at 0 and end at T"),
-        (torch.tensor([0, 4, 9]), "start at 0 and end at T"),
+        (torch.tensor([1, 4, 10]), "must start at 0"),
+        (torch.tensor([0, 4, 9]), "end at 9 but T=10"),
+        (DocumentBounds.from_host([0, 4, 9], "cpu"), "end at 9 but T=10"),
         (torch.tensor([0, 6, 4, 10]), "strictly increasing"),
         (torch.tensor([0, 4, 4, 10]), "strictly increasing"),
         (torch.tensor([0.0, 10.0]), "integer"),
     ]
-    for cu_seqlens, message in packed_cases:
+    for docs, message in packed_cases:
         with pytest.raises(ValueError, match=message):
-            chunk_kda(**packed, cu_seqlens=cu_seqlens)
+            chunk_kda(**packed, docs=docs)
     with pytest.raises(ValueError, match="initial_state must be"):
-        chunk_kda(**packed, cu_seqlens=torch.tensor([0, 4, 10]), initial_state=s0[:1])
+        chunk_kda(**packed, docs=torch.tensor([0, 4, 10]), initial_state=s0[:1])
     with pytest.raises(ValueError, match="must be <= 0"):
         chunk_kda(q, k, v, -g, beta)
     with pytest.raises(ValueError, match="A_log"):
@@ -331,18 +339,48 @@ def test_clear_errors_on_bad_inputs():
         kda_gate(torch.randn(3, 2, 4), torch.zeros(2), lower_bound=5.0)
 
 
-def test_bounded_gate_is_recognised_without_reading_it(monkeypatch):
-    """kda_gate records its floor: the kernels' bounded-gate check trusts it (no g.min(), which on a
-    GPU waits for all queued work) until g changes in place; other tensors are read."""
-    from moe_lc.ops.gate_floor import known_gate_floor
+def test_bounded_gate_is_recognised_from_the_given_floor_without_reading_it(monkeypatch):
+    """The kernels' bounded-gate check trusts a floor within their span (no g.min(), which on a GPU
+    waits for all queued work); without a floor, or with one outside the span, it reads g."""
     from moe_lc_kernels.kda import gate_is_bounded
 
     g = make_gate((1, 8, 2, 4), "bounded", torch.Generator().manual_seed(3))
-    assert known_gate_floor(g) == -5.0 and gate_is_bounded(g)
+    unbounded = make_gate((1, 8, 2, 4), "softplus_extreme", torch.Generator().manual_seed(3))
     reads = []
     monkeypatch.setattr(torch.Tensor, "min", lambda self, *a: reads.append(1) or torch.amin(self))
-    assert gate_is_bounded(g) and not reads
-    g.mul_(3)  # now reaches below -5.5: the record no longer holds and the check reads g
-    assert known_gate_floor(g) is None and not gate_is_bounded(g) and reads
-    unbounded = make_gate((1, 8, 2, 4), "softplus_extreme", torch.Generator().manual_seed(3))
-    assert known_gate_floor(unbounded) is None and known_gate_floor(g.clone()) is None
+    assert gate_is_bounded(g, -5.0) and gate_is_bounded(unbounded, -5.5) and not reads  # trusted, not checked
+    assert gate_is_bounded(g, None) and len(reads) == 1
+    assert gate_is_bounded(g, -8.0) and len(reads) == 2  # a floor beyond the span: g itself decides
+    assert not gate_is_bounded(unbounded, None) and len(reads) == 3
+
+
+def test_the_gate_floor_reaches_the_backend_from_the_projections_op(monkeypatch):
+    """chunk_kda_from_projections tells chunk_kda the floor of the gate it computed (the layer's
+    g_min), so a kernel backend never has to read g to learn it; the softplus gate has none."""
+    from moe_lc.ops.kda_projections import chunk_kda_from_projections
+
+    monkeypatch.setattr(kda, "_BACKENDS", dict(kda._BACKENDS))
+    floors = []
+
+    def mine(q, k, v, g, beta, scale, initial_state, output_final_state, docs, gate_lower_bound):
+        floors.append(gate_lower_bound)
+        return torch.zeros_like(v), None
+
+    register_kda_backend("mine", mine)
+    q, k, v, z, beta, _ = make_inputs(1, 20, 2, 8, 8, seed=17)
+    for lower_bound in (-3.0, None):
+        chunk_kda_from_projections(q, k, v, z, beta, torch.zeros(2, dtype=F64), lower_bound=lower_bound,
+                                   backend="mine")
+    assert floors == [-3.0, None]
+
+
+def test_segment_transition_composes():
+    """S_end = M S_start + S~ (the KCP identity) for packed documents, against chunk_kda itself."""
+    gen = torch.Generator().manual_seed(4)
+    docs = DocumentBounds.from_host([0, 50, 120], "cpu")
+    q, k, v, g, beta, _ = make_inputs(1, 120, 2, 8, 4, seed=18)
+    s_tilde, transition = segment_transition(q, k, v, g, beta, docs=docs, backend="torch")
+    start = torch.randn(2, 2, 8, 4, generator=gen, dtype=F64)
+    _, end = chunk_kda(q, k, v, g, beta, initial_state=start, output_final_state=True, docs=docs, backend="torch")
+    assert transition.shape == (2, 2, 8, 8)
+    assert rel(transition @ start + s_tilde, end) < 1e-12

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe_lc.ops import kda
+from moe_lc.ops.documents import DocumentBounds
 from moe_lc.ops.kda import recurrent_kda, register_kda_backend
 from moe_lc.ops.kda_projections import chunk_kda_from_projections
 
@@ -30,16 +31,16 @@ def test_matches_the_token_recurrence_on_the_written_out_formulas(lower_bound):
     """o = KDA(q/sqrt(|q|^2+1e-6), k/..., v, g(z), sigmoid(beta_logits)) with the gate written out here,
     token by token, for two packed documents."""
     q, k, v, z, bl, a_log, dt_bias = raw(1, 45, 2, 8, seed=1)
-    cu = torch.tensor([0, 17, 45])
+    docs = DocumentBounds.from_host([0, 17, 45], "cpu")
     x = z + dt_bias.view(2, 8)
     rate = a_log.exp()[:, None]
     g = (lower_bound * torch.sigmoid(rate * x) if lower_bound is not None
          else -rate * torch.log1p(torch.exp(x)))
     norm = lambda t: t / torch.sqrt((t * t).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
     ref, ref_final = recurrent_kda(norm(q), norm(k), v, g, torch.sigmoid(bl), output_final_state=True,
-                                   cu_seqlens=cu)
+                                   docs=docs)
     out, final = chunk_kda_from_projections(q, k, v, z, bl, a_log, dt_bias, lower_bound=lower_bound,
-                                            output_final_state=True, cu_seqlens=cu)
+                                            output_final_state=True, docs=docs)
     assert rel(out, ref) < 1e-10 and rel(final, ref_final) < 1e-10
 
 
@@ -53,7 +54,7 @@ def test_dispatch(monkeypatch):
     monkeypatch.setattr(kda, "_BACKENDS", dict(kda._BACKENDS))
     seen = {}
 
-    def mine(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    def mine(q, k, v, g, beta, scale, initial_state, output_final_state, docs, gate_lower_bound):
         seen.update(q=q, g=g, beta=beta)
         return kda.chunk_kda(q, k, v, g, beta, scale=scale, backend="torch")
 

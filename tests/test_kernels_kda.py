@@ -21,8 +21,10 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from host_reads import forbid_host_reads, guarded  # noqa: E402
+from moe_lc.ops.documents import DocumentBounds  # noqa: E402
 from moe_lc.ops.kda import chunk_kda, kda_gate  # noqa: E402
-from moe_lc_kernels import segment_transition, triton_available  # noqa: E402
+from moe_lc_kernels import triton_available  # noqa: E402
 from moe_lc_kernels.kda import build_plan, chunk_kda_fused, chunk_kda_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,13 +57,13 @@ def raw_inputs(batch, seq_len, heads, key_dim, value_dim, num_states=None, seed=
     return x, h0
 
 
-def fused_reference(x, h0, cu):
+def fused_reference(x, h0, bounds):
     """Float64 reference for chunk_kda_fused: the same formulas, then the torch chunk op."""
     d = {n: t.double() for n, t in x.items()}
     g = kda_gate(d["z"], d["A_log"], d["dt_bias"], lower_bound=-5.0)
     return chunk_kda(l2norm(d["q"]), l2norm(d["k"]), d["v"], g, torch.sigmoid(d["beta"]),
                      initial_state=None if h0 is None else h0.double(), output_final_state=True,
-                     cu_seqlens=cu, backend="torch")
+                     docs=None if bounds is None else DocumentBounds.from_host(bounds, DEVICE), backend="torch")
 
 
 def assert_matches(x, h0, out, final, ref_out, ref_final):
@@ -104,19 +106,35 @@ def test_projections_op_triton_backend_is_the_fused_kernel_of_the_same_compositi
     assert torch.equal(softplus[0], wanted[0])
 
 
+def test_projections_op_hands_the_kernels_host_boundaries_without_reading_the_device():
+    """Packed documents reach the fused kernels as ``docs.host``: the device cu_seqlens is never
+    read back (the launch plan is built from the host copy), and the result is the float64 one."""
+    from moe_lc.ops import kda_projections as proj
+
+    bounds = [0, 3, 70, 130]
+    x, h0 = raw_inputs(1, 130, 2, 16, 16, num_states=3, seed=9)
+    names = ("q", "k", "v", "z", "beta", "A_log", "dt_bias")
+    docs = guarded(bounds)
+    with forbid_host_reads():
+        out, final = proj._triton(*(x[n] for n in names), -5.0, 0.25, h0, True, docs)
+    ref = proj._torch(*(x[n].double() for n in names), -5.0, 0.25, h0.double(), True,
+                      DocumentBounds.from_host(bounds, DEVICE))
+    assert_matches(x, h0, out, final, *ref)
+
+
 @pytest.mark.parametrize("save_prep", ["inverse", "all"])
 def test_saved_prep_gives_the_same_gradients(monkeypatch, save_prep):
     """save_prep keeps some or all of the forward's prep outputs instead of recomputing them in the
     backward: the same kernels on the same inputs, so the gradients must be bit-identical."""
     from moe_lc_kernels import kda as kda_mod
 
-    cu = torch.tensor([0, 90, 200], dtype=torch.int32, device=DEVICE)
+    bounds = [0, 90, 200]
     x, h0 = raw_inputs(1, 200, 2, 16, 16, num_states=2, seed=5)
     names = ("q", "k", "v", "z", "beta", "A_log", "dt_bias")
 
     def grads():
         out, final = chunk_kda_fused(*(x[n] for n in names), initial_state=h0, output_final_state=True,
-                                     cu_seqlens=cu)
+                                     seq_bounds=bounds)
         return torch.autograd.grad(out.square().sum() + final.sum(), [*(x[n] for n in names), h0])
 
     monkeypatch.setitem(kda_mod.TUNING, "save_prep", "none")
@@ -130,13 +148,13 @@ def test_saved_prep_gives_the_same_gradients(monkeypatch, save_prep):
 def test_fused_packed_documents_segmented():
     """Packed documents of uneven lengths (one shorter than a tile), per-document states, segments of
     one and two chunks so that documents span several segments and the prefix scan is exercised."""
-    cu = torch.tensor([0, 3, 70, 200, 260], dtype=torch.int32, device=DEVICE)
+    bounds = [0, 3, 70, 200, 260]
     x, h0 = raw_inputs(1, 260, 1, 32, 32, num_states=4, seed=2)
     for segment_chunks in (1, 2):
         out, final = chunk_kda_fused(x["q"], x["k"], x["v"], x["z"], x["beta"], x["A_log"], x["dt_bias"],
-                                     initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                     initial_state=h0, output_final_state=True, seq_bounds=bounds,
                                      segment_chunks=segment_chunks)
-        assert_matches(x, h0, out, final, *fused_reference(x, h0, cu))
+        assert_matches(x, h0, out, final, *fused_reference(x, h0, bounds))
 
 
 def test_no_kernel_reads_an_unwritten_element(monkeypatch):
@@ -144,7 +162,7 @@ def test_no_kernel_reads_an_unwritten_element(monkeypatch):
     run): outputs and gradients stay finite and match float64, so no kernel reads an element no kernel
     wrote. Short documents leave 16-row tiles past a sequence's end, whose score blocks must be
     written as zeros: NaN there reaches valid rows through 0 * NaN in the UT inverse."""
-    cu = torch.tensor([0, 3, 70, 150], dtype=torch.int32, device=DEVICE)
+    bounds = [0, 3, 70, 150]
     x, h0 = raw_inputs(1, 150, 2, 32, 32, num_states=3, seed=4)
     names = ("q", "k", "v", "z", "beta", "A_log", "dt_bias")
     real_empty, real_empty_like = torch.empty, torch.empty_like
@@ -157,11 +175,12 @@ def test_no_kernel_reads_an_unwritten_element(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", poisoned(real_empty))
     monkeypatch.setattr(torch, "empty_like", poisoned(real_empty_like))
-    out, final = chunk_kda_fused(*(x[n] for n in names), initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    out, final = chunk_kda_fused(*(x[n] for n in names), initial_state=h0, output_final_state=True,
+                                 seq_bounds=bounds)
     params = [*(x[n] for n in names), h0]
     grads = torch.autograd.grad(out.square().sum() + final.sum(), params)
     monkeypatch.undo()
-    ref_out, ref_final = fused_reference(x, h0, cu)
+    ref_out, ref_final = fused_reference(x, h0, bounds)
     ref_grads = torch.autograd.grad(ref_out.square().sum() + ref_final.sum(), params)
     assert rel(out, ref_out) < TOL and rel(final, ref_final) < TOL
     for n, a, b in zip([*names, "h0"], grads, ref_grads):
@@ -219,11 +238,11 @@ def _unrounded(x, ROUND: tl.constexpr):
 
 
 def _gate_grad_errors(seed: int) -> dict[str, float]:
-    cu = torch.tensor([0, 106, 320], dtype=torch.int32, device=DEVICE)
+    bounds = [0, 106, 320]
     x, _ = raw_inputs(1, 320, 1, 32, 32, seed=seed)
     out, final = chunk_kda_fused(*(x[n] for n in ("q", "k", "v", "z", "beta", "A_log", "dt_bias")),
-                                 output_final_state=True, cu_seqlens=cu)
-    ref_out, ref_final = fused_reference(x, None, cu)
+                                 output_final_state=True, seq_bounds=bounds)
+    ref_out, ref_final = fused_reference(x, None, bounds)
     gen = torch.Generator().manual_seed(seed)
     do, ds = torch.randn(out.shape, generator=gen), torch.randn(final.shape, generator=gen)
     grads = torch.autograd.grad((out * do).sum() + (final * ds).sum(), list(x.values()))
@@ -318,20 +337,24 @@ def test_backend_signature_with_given_gate_and_unequal_dims():
     assert_matches(x, None, out, final, *ref)
 
 
-def test_segment_transition_composes():
-    """S_end = M S_start + S~ (the KCP identity) for packed documents, against chunk_kda itself."""
+def test_backend_signature_trusts_the_given_gate_floor(monkeypatch):
+    """With ``gate_lower_bound`` the bounded-gate check does not read g (no g.min(): on a GPU that
+    waits for all queued work); without it, it does. Packed documents come as host boundaries."""
     gen = torch.Generator().manual_seed(4)
-    cu = torch.tensor([0, 50, 120], dtype=torch.int32)
-    shape = (1, 120, 2, 8)
-    q, k = (l2norm(torch.randn(shape, generator=gen, dtype=F64)) for _ in range(2))
-    v = torch.randn(1, 120, 2, 4, generator=gen, dtype=F64)
-    g = kda_gate(torch.randn(shape, generator=gen, dtype=F64), torch.zeros(2, dtype=F64))
-    beta = torch.rand(1, 120, 2, generator=gen, dtype=F64)
-    s_tilde, transition = segment_transition(q, k, v, g, beta, cu_seqlens=cu, backend="torch")
-    start = torch.randn(2, 2, 8, 4, generator=gen, dtype=F64)
-    _, end = chunk_kda(q, k, v, g, beta, initial_state=start, output_final_state=True, cu_seqlens=cu, backend="torch")
-    assert transition.shape == (2, 2, 8, 8)
-    assert rel(transition @ start + s_tilde, end) < 1e-12
+    shape = (1, 80, 1, 16)
+    q, k = (l2norm(torch.randn(shape, generator=gen)).to(DEVICE) for _ in range(2))
+    v = torch.randn(shape, generator=gen).to(DEVICE)
+    g = kda_gate(torch.randn(shape, generator=gen), torch.zeros(1)).to(DEVICE)
+    beta = torch.rand(1, 80, 1, generator=gen).to(DEVICE)
+    reads = []
+    amin = torch.amin
+    monkeypatch.setattr(torch.Tensor, "min", lambda self, *a: reads.append(1) or amin(self))
+    trusted, _ = chunk_kda_triton(q, k, v, g, beta, seq_bounds=(0, 30, 80), gate_lower_bound=-5.0)
+    assert not reads
+    checked, _ = chunk_kda_triton(q, k, v, g, beta, seq_bounds=(0, 30, 80))
+    assert reads and torch.equal(trusted, checked)
+    ref, _ = chunk_kda(*(t.double() for t in (q, k, v, g, beta)), docs=torch.tensor([0, 30, 80]), backend="torch")
+    assert rel(trusted, ref) < TOL
 
 
 def test_plan_splits_documents_into_chunks_and_segments():
@@ -373,6 +396,8 @@ def test_clear_errors():
         chunk_kda_fused(x["q"][..., :12], x["k"][..., :12], x["v"], x["z"][..., :12], x["beta"], x["A_log"])
     with pytest.raises(TypeError, match="float64"):
         chunk_kda_fused(*(t.double() for t in args))
+    with pytest.raises(ValueError, match="seq_bounds must rise strictly from 0 to T=20"):
+        chunk_kda_fused(*args, seq_bounds=[0, 5, 19])
     g = kda_gate(torch.full((1, 20, 1, 16), 5.0), torch.full((1,), 3.0), lower_bound=None)  # softplus: unbounded
     with pytest.raises(ValueError, match="bounded gate"):
         chunk_kda_triton(x["q"], x["k"], x["v"], g.to(DEVICE), torch.sigmoid(x["beta"]))
@@ -383,6 +408,16 @@ def test_clear_errors():
         parse_tuning("intra_prec=tf32")
     with pytest.raises(ValueError, match="save_prep is one of"):
         parse_tuning("save_prep=1")
+
+
+def test_kernels_import_nothing_from_moe_lc():
+    """The kernels package stands alone: the framework's ops call it, never the reverse (a cycle
+    once hid there)."""
+    code = ("import sys; import moe_lc_kernels.kda, moe_lc_kernels.kda_triton, moe_lc_kernels.short_conv, "
+            "moe_lc_kernels.short_conv_triton, moe_lc_kernels.transfer; "
+            "found = sorted(m for m in sys.modules if m == 'moe_lc' or m.startswith('moe_lc.')); "
+            "assert not found, f'moe_lc_kernels imported {found}'")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_import_needs_neither_gpu_nor_triton():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from moe_lc.model.ffn import situ_glu, swiglu
 from moe_lc.model.init import build_model
 from moe_lc.model.mla import causal_document_attention
 from moe_lc.model.short_conv import causal_depthwise_conv
+from moe_lc.model.transformer import IGNORE_INDEX
+from moe_lc.ops.documents import DocumentBounds
 from moe_lc.presets import get_preset
 
 
@@ -97,7 +100,7 @@ def test_causal_document_attention_matches_masked_softmax():
     q, k = (torch.randn(1, 2, 23, 8, generator=g, dtype=torch.float64) for _ in range(2))
     v = torch.randn(1, 2, 23, 6, generator=g, dtype=torch.float64)  # v narrower than q/k, as in MLA
     cu = torch.tensor([0, 5, 6, 17, 23])
-    out = causal_document_attention(q, k, v, 0.3, cu)
+    out = causal_document_attention(q, k, v, 0.3, DocumentBounds.of(cu))
     doc = torch.searchsorted(cu[1:], torch.arange(23), right=True)
     t = torch.arange(23)
     allowed = (doc[:, None] == doc[None, :]) & (t[None, :] <= t[:, None])
@@ -119,6 +122,10 @@ def test_short_conv_restarts_at_document_boundaries():
         assert rel(packed[:, s:e], ref) < 1e-12
 
 
+def packed_bounds(lengths: list[int]) -> DocumentBounds:
+    return DocumentBounds.from_host([0, *itertools.accumulate(lengths)], "cpu")
+
+
 def test_packed_documents_are_independent():
     cfg = tiny()
     model = build_model(cfg, seed=0).double().eval()
@@ -126,10 +133,48 @@ def test_packed_documents_are_independent():
     lens = [7, 70, 1, 30]
     docs = [torch.randint(0, cfg.vocab_size, (1, n), generator=g) for n in lens]
     packed = torch.cat(docs, dim=1)
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)))
-    out = model(packed, cu_seqlens=cu).logits
+    out = model(packed, docs=packed_bounds(lens)).logits
     alone = torch.cat([model(d).logits for d in docs], dim=1)
     assert rel(out, alone) < 1e-10
+
+
+def test_packed_losses_are_the_token_weighted_losses_of_each_document_alone():
+    """LM and MTP losses of a packed row equal the label-weighted means of every document run
+    alone: no layer mixes documents and MTP never predicts across a boundary (its label at each
+    document's last token, the next document's first label, is dropped: a lone document has none)."""
+    cfg = tiny(mtp=True)
+    model = build_model(cfg, seed=0).double().eval()
+    g = torch.Generator().manual_seed(8)
+    lens = [9, 40, 2, 25]
+    ids = [torch.randint(0, cfg.vocab_size, (1, n), generator=g) for n in lens]
+    labels = [torch.cat([d[:, 1:], torch.full((1, 1), IGNORE_INDEX)], dim=1) for d in ids]
+    labels[1][0, 5:9] = IGNORE_INDEX  # ragged ignored labels inside a document
+    for n in (0, 2):  # cut mid-document (a window edge): the last label is the stream's next token
+        labels[n][0, -1] = 3
+    packed = model(torch.cat(ids, dim=1), labels=torch.cat(labels, dim=1), docs=packed_bounds(lens))
+
+    lm_sum = mtp_sum = lm_tokens = mtp_tokens = 0.0
+    for d, lab in zip(ids, labels):
+        alone = model(d, labels=lab)
+        n_lm = int((lab != IGNORE_INDEX).sum())
+        kept = lab != IGNORE_INDEX
+        n_mtp = int((kept[:, :-1] & kept[:, 1:]).sum())  # MTP targets labels[t + 1] where labels[t] is kept
+        lm_sum, lm_tokens = lm_sum + n_lm * alone.lm_loss, lm_tokens + n_lm
+        if n_mtp:
+            mtp_sum, mtp_tokens = mtp_sum + n_mtp * alone.mtp_loss, mtp_tokens + n_mtp
+    assert rel(packed.lm_loss, lm_sum / lm_tokens) < 1e-10
+    assert rel(packed.mtp_loss, mtp_sum / mtp_tokens) < 1e-10
+
+
+def test_packed_documents_must_fit_the_batch():
+    model = build_model(tiny(), seed=0)
+    ids = torch.zeros(1, 10, dtype=torch.long)
+    with pytest.raises(ValueError, match="last boundary 9"):
+        model(ids, docs=packed_bounds([4, 5]))
+    with pytest.raises(ValueError, match=r"input_ids \[1, T\]"):
+        model(torch.zeros(2, 5, dtype=torch.long), docs=packed_bounds([4, 6]))
+    with pytest.raises(TypeError, match="DocumentBounds.from_host"):
+        model(ids, docs=torch.tensor([0, 4, 10]))
 
 
 def test_causality_future_tokens_do_not_change_past_outputs():

@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 
 import moe_lc_kernels.short_conv as kernel_module  # noqa: E402
 from moe_lc.model.short_conv import ShortConv, causal_depthwise_conv  # noqa: E402
+from moe_lc.ops.documents import DocumentBounds  # noqa: E402
 from moe_lc.ops.short_conv import resolve_backend, short_conv  # noqa: E402
 from moe_lc_kernels import triton_available  # noqa: E402
 
@@ -101,8 +102,9 @@ def test_matches_float64_without_documents(small_tiles, activation, batch, seq_l
 def test_documents_match_float64_and_each_document_alone(small_tiles, activation):
     lens = DOC_LENS
     x, w, dout = inputs(1, sum(lens), seed=1)
-    cu = cu_of(lens)
-    got = run(lambda a, b: short_conv(a, b, cu, activation=activation, backend="triton"), x, w, dout)
+    cu = cu_of(lens)  # DocumentBounds (as the layer passes them) or a plain cu_seqlens tensor
+    docs = DocumentBounds.of(cu)
+    got = run(lambda a, b: short_conv(a, b, docs, activation=activation, backend="triton"), x, w, dout)
     ref = run(lambda a, b: short_conv(a.double(), b.double(), cu, activation=activation, backend="torch"),
               x, w, dout)
     assert_close(got, ref)
@@ -179,6 +181,7 @@ def test_explicit_triton_that_cannot_run_is_an_error(monkeypatch):
     (lambda x, w: short_conv(x, w[:5]), r"C = x.shape\[-1\] = 8"),
     (lambda x, w: short_conv(x, w, torch.tensor([0, 10, 20])), "need B == 1, got B = 2"),
     (lambda x, w: short_conv(x[:1], w, torch.tensor([[0, 20]])), "cu_seqlens must be 1-D"),
+    (lambda x, w: short_conv(x[:1], w, DocumentBounds.from_host([0, 5, 19], "cpu")), "end at 19 but x has T = 20"),
     (lambda x, w: short_conv(x, w, activation="gelu"), "unknown activation 'gelu'"),
     (lambda x, w: short_conv(x, w, backend="cuda"), "unknown backend 'cuda'"),
 ])

@@ -17,6 +17,7 @@ from torch import nn
 from moe_lc.config import KDAConfig
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.short_conv import ShortConv
+from moe_lc.ops.documents import DocumentBounds
 from moe_lc.ops.kda_projections import chunk_kda_from_projections
 
 
@@ -70,18 +71,19 @@ class KDAttention(nn.Module):
         """The short convolutions' backend: the reference with ``backend="torch"``, else the fastest."""
         return "torch" if self.cfg.backend == "torch" else "auto"
 
-    def forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Optional[DocumentBounds] = None) -> torch.Tensor:
         B, T, _ = x.shape
         K = self.cfg.head_dim  # heads are read from the shapes (-1): tensor parallelism holds H/tp of them
         conv = dict(activation="silu", backend=self.conv_backend())  # one fused kernel with SiLU on GPUs
-        q = self.q_conv(self.q_proj(x), cu_seqlens, **conv).view(B, T, -1, K)
-        k = self.k_conv(self.k_proj(x), cu_seqlens, **conv).view(B, T, -1, K)
-        v = self.v_conv(self.v_proj(x), cu_seqlens, **conv).view(B, T, -1, K)
+        q = self.q_conv(self.q_proj(x), docs, **conv).view(B, T, -1, K)
+        k = self.k_conv(self.k_proj(x), docs, **conv).view(B, T, -1, K)
+        v = self.v_conv(self.v_proj(x), docs, **conv).view(B, T, -1, K)
         z = self.decay_up(self.decay_down(x)).view(B, T, -1, K)
+        # the gate's floor is static (g_min; none for softplus), handed down so no kernel reads g to learn it
         lower = self.cfg.g_min if self.cfg.gate == "bounded" else None
         # L2 norm of q and k, the gate and beta's sigmoid run inside the kernels where they can
         o, _ = chunk_kda_from_projections(q, k, v, z, self.beta_proj(x), self.A_log, self.dt_bias, lower_bound=lower,
-                                          cu_seqlens=cu_seqlens, backend=self.cfg.backend)
+                                          docs=docs, backend=self.cfg.backend)
         o = self.o_norm(o)
         gate = torch.sigmoid(self.gate_proj(x)).view(B, T, -1, K)
         return self.o_proj((gate * o.to(gate.dtype)).reshape(B, T, -1))

@@ -19,28 +19,29 @@ from torch import nn
 from moe_lc.config import MLAConfig
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.precision import upcast
-from moe_lc.ops.documents import host_bounds
+from moe_lc.ops.documents import DocumentBounds
 
 
 def causal_document_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cu_seqlens: Optional[torch.Tensor]
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, docs: Optional[DocumentBounds]
 ) -> torch.Tensor:
-    """Causal softmax attention that never crosses a document boundary. q,k,v: [B, H, T, D]."""
+    """Causal softmax attention that never crosses a document boundary. q,k,v: [B, H, T, D].
+
+    One attention call per document of ``docs``, cut with its host boundaries (no device read)."""
     v_dim = v.shape[-1]
     if q.device.type == "cpu" and v_dim < q.shape[-1]:
         # CPU SDPA has a fast (flash) kernel only for equal q/k and v head sizes; zero columns
         # of v give zero output columns, so padding and slicing back is exact.
         v = F.pad(v, (0, q.shape[-1] - v_dim))
-        return causal_document_attention(q, k, v, scale, cu_seqlens)[..., :v_dim]
-    if cu_seqlens is None:
+        return causal_document_attention(q, k, v, scale, docs)[..., :v_dim]
+    if docs is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     if q.shape[0] != 1:
-        raise ValueError(f"packed documents (cu_seqlens) need batch size 1, got {q.shape[0]}")
-    bounds = host_bounds(cu_seqlens)
+        raise ValueError(f"packed documents (docs) need batch size 1, got {q.shape[0]}")
+    bounds = docs.host
     outs = [
         F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=scale)
         for s, e in zip(bounds[:-1], bounds[1:])
-        if e > s
     ]
     return torch.cat(outs, dim=2)
 
@@ -64,7 +65,7 @@ class GatedMLA(nn.Module):
         self.o_proj = nn.Linear(H * cfg.v_dim, d_model, bias=False)
         self.scale = cfg.qk_dim**-0.5
 
-    def forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Optional[DocumentBounds] = None) -> torch.Tensor:
         B, T, _ = x.shape
         c = self.cfg
         q = self.q_up(self.q_norm(self.q_down(x))) if c.q_lora_rank is not None else self.q_proj(x)
@@ -78,7 +79,7 @@ class GatedMLA(nn.Module):
         else:
             k = k_nope
         o = causal_document_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale, cu_seqlens
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale, docs
         ).transpose(1, 2)  # [B, T, H, v_dim]
         if c.fp32_output:
             o = upcast(o)

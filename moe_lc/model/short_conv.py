@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from moe_lc.ops.documents import DocumentBounds
 from moe_lc.ops.short_conv import causal_depthwise_conv, position_in_document, short_conv
 
 __all__ = ["ShortConv", "causal_depthwise_conv", "position_in_document"]
@@ -32,10 +33,10 @@ class ShortConv(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cu_seqlens: Optional[torch.Tensor] = None,
+        docs: Optional[DocumentBounds] = None,
         activation: Optional[str] = None,
         backend: str = "torch",
     ) -> torch.Tensor:
-        """The convolution, then ``activation`` ("silu" or None), through ``short_conv``: passing
-        the activation here lets the Triton backend fuse it."""
-        return short_conv(x, self.weight, cu_seqlens, activation=activation, backend=backend)
+        """The convolution (restarting at every document of ``docs``), then ``activation`` ("silu"
+        or None), through ``short_conv``: passing the activation here lets the Triton backend fuse it."""
+        return short_conv(x, self.weight, docs, activation=activation, backend=backend)

@@ -3,6 +3,10 @@
 Decoder layer = token mixing (KDA or Gated MLA) then channel mixing (LatentMoE, or a dense
 SiTU-GLU FFN in the first layers); each sublayer is pre-norm and reads its input from the
 residual stream (plain residual or Attention Residuals). No positional encoding anywhere.
+
+Packed documents reach every token mixer as one :class:`DocumentBounds` argument (built where the
+batch is uploaded, with the boundaries on the device and on the host), so no layer reads the
+device back to find them.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from moe_lc.model.mla import GatedMLA
 from moe_lc.model.moe import LatentMoE
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.precision import upcast
+from moe_lc.ops.documents import DocumentBounds
 
 IGNORE_INDEX = -100
 
@@ -48,9 +53,9 @@ class DecoderLayer(nn.Module):
     def is_moe(self) -> bool:
         return isinstance(self.ffn, LatentMoE)
 
-    def forward(self, stream: ResidualStream, cu_seqlens: Optional[torch.Tensor] = None) -> ResidualStream:
+    def forward(self, stream: ResidualStream, docs: Optional[DocumentBounds] = None) -> ResidualStream:
         h = stream.sublayer_input(self.attn_mixer)
-        stream.add_output(self.attn(self.attn_norm(h), cu_seqlens))
+        stream.add_output(self.attn(self.attn_norm(h), docs))
         h = stream.sublayer_input(self.ffn_mixer)
         stream.add_output(self.ffn(self.ffn_norm(h)))
         return stream
@@ -71,9 +76,9 @@ class MultiTokenPrediction(nn.Module):
         self.layer = DecoderLayer(cfg, cfg.num_layers, "M", use_attn_res=False)
         self.final_norm = RMSNorm(d, eps)
 
-    def forward(self, hidden: torch.Tensor, next_embed: torch.Tensor, cu_seqlens: Optional[torch.Tensor]):
+    def forward(self, hidden: torch.Tensor, next_embed: torch.Tensor, docs: Optional[DocumentBounds]):
         h = self.proj(torch.cat([self.hidden_norm(hidden), self.embed_norm(next_embed)], dim=-1))
-        stream = self.layer(ResidualStream.start("none", h), cu_seqlens)
+        stream = self.layer(ResidualStream.start("none", h), docs)
         return self.final_norm(stream.partial)
 
 
@@ -145,11 +150,12 @@ class MoELCModel(nn.Module):
             total = total + torch.where(n_c > 0, chunk_loss * n_c, torch.zeros_like(chunk_loss))
         return total / valid.clamp_min(1)
 
-    def hidden_states(self, input_ids: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, docs: Optional[DocumentBounds] = None) -> torch.Tensor:
         """Final normalised hidden states [B, T, d]."""
+        _check_documents(input_ids, docs)
         stream = ResidualStream.start(self.cfg.attn_res.mode, self.embed(input_ids))
         for layer in self.layers:
-            stream = layer(stream, cu_seqlens)
+            stream = layer(stream, docs)
             stream.end_layer(layer.layer_idx, self.cfg.attn_res.block_size)
         return self.final_norm(stream.final(self.out_mixer))
 
@@ -157,12 +163,15 @@ class MoELCModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         labels: Optional[torch.Tensor] = None,
-        cu_seqlens: Optional[torch.Tensor] = None,
+        docs: Optional[DocumentBounds] = None,
         return_logits: bool = True,
     ) -> ModelOutput:
-        """input_ids/labels: [B, T] (labels already shifted: labels[t] is the target after input t)."""
+        """input_ids/labels: [B, T] (labels already shifted: labels[t] is the target after input t).
+
+        ``docs``: the packed documents of the row (B must be 1), e.g.
+        ``DocumentBounds.from_host(cu_seqlens, device)``; None: every row is one sequence."""
         use_mtp = self.mtp is not None and labels is not None
-        h = self.hidden_states(input_ids, cu_seqlens)
+        h = self.hidden_states(input_ids, docs)
         if labels is None:
             return ModelOutput(loss=None, lm_loss=None, logits=self.logits_from_hidden(h))
         logits = self.logits_from_hidden(h) if return_logits else None
@@ -170,7 +179,7 @@ class MoELCModel(nn.Module):
         loss = lm_loss
         mtp_loss = None
         if use_mtp:
-            mtp_loss = self._mtp_loss(h, labels, cu_seqlens)
+            mtp_loss = self._mtp_loss(h, labels, docs)
             loss = loss + self.mtp_weight * mtp_loss
         aux = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
         aux_loss = torch.stack(aux).sum() if aux else None
@@ -180,14 +189,25 @@ class MoELCModel(nn.Module):
             loss=loss, lm_loss=lm_loss, logits=logits if return_logits else None, aux_loss=aux_loss, mtp_loss=mtp_loss
         )
 
-    def _mtp_loss(self, h: torch.Tensor, labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+    def _mtp_loss(self, h: torch.Tensor, labels: torch.Tensor, docs: Optional[DocumentBounds]) -> torch.Tensor:
         """Predict labels[t+1] from h[t] and embed(labels[t]) (the token at t+1)."""
         next_tok = labels.clamp_min(0)
-        mtp_h = self.mtp(h, self.embed(next_tok), cu_seqlens)
+        mtp_h = self.mtp(h, self.embed(next_tok), docs)
         mtp_labels = torch.full_like(labels, IGNORE_INDEX)
         mtp_labels[:, :-1] = labels[:, 1:]
         mtp_labels[labels == IGNORE_INDEX] = IGNORE_INDEX
-        if cu_seqlens is not None:  # never predict across a document boundary
-            ends = cu_seqlens[1:].long() - 1
-            mtp_labels[0, ends[ends >= 0]] = IGNORE_INDEX
+        if docs is not None:  # never predict across a document boundary (the last token of each document)
+            mtp_labels[0, docs.cu_seqlens[1:].long() - 1] = IGNORE_INDEX
         return self.lm_loss(self.logits_from_hidden(mtp_h), mtp_labels)
+
+
+def _check_documents(input_ids: torch.Tensor, docs: Optional[DocumentBounds]) -> None:
+    """One clear error for packed documents that do not fit the batch (no device read)."""
+    if docs is None:
+        return
+    if not isinstance(docs, DocumentBounds):
+        raise TypeError(f"MoELCModel: docs must be DocumentBounds, got {type(docs).__name__}; wrap boundaries with "
+                        "DocumentBounds.from_host(cu_seqlens, device) (host) or DocumentBounds.of(cu_seqlens) (device)")
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or docs.total != input_ids.shape[1]:
+        raise ValueError(f"MoELCModel: packed documents (docs) need input_ids [1, T] with T = the last boundary "
+                         f"{docs.total}, got {tuple(input_ids.shape)}; pack the rows into one")

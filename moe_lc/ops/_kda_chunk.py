@@ -20,9 +20,12 @@ Numerical care (why the code is not a literal transcription of the formulas):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import Tensor
+
+from moe_lc.ops.documents import DocumentBounds
 
 CHUNK_SIZE = 64
 TILE_SIZE = 16
@@ -38,7 +41,7 @@ class _ChunkLayout:
     """Where every token goes once each document is padded to a multiple of the chunk size.
 
     Every row (batch element) has the same document structure: one document spanning the row
-    without ``cu_seqlens``, the packed documents of the single row with it. Document ``n`` of
+    without document boundaries, the packed documents of the single row with them. Document ``n`` of
     row ``r`` is global document ``r * docs_per_row + n``.
     """
 
@@ -50,11 +53,9 @@ class _ChunkLayout:
     num_chunks: int
 
     @staticmethod
-    def build(seq_len: int, cu_seqlens: Tensor | None, chunk: int, device: torch.device) -> "_ChunkLayout":
-        if cu_seqlens is None:
-            cu = torch.tensor([0, seq_len], dtype=torch.long)
-        else:
-            cu = cu_seqlens.detach().to("cpu", torch.long)
+    def build(seq_len: int, bounds: Sequence[int] | None, chunk: int, device: torch.device) -> "_ChunkLayout":
+        """From the host boundaries (None: one document per row); index tables copied to ``device``."""
+        cu = torch.tensor([0, seq_len] if bounds is None else list(bounds), dtype=torch.long)
         lengths = cu[1:] - cu[:-1]
         padded = (lengths + chunk - 1) // chunk * chunk
         padded_starts = torch.cumsum(padded, 0) - padded
@@ -179,14 +180,17 @@ def chunk_kda_torch(
     scale: float,
     initial_state: Tensor | None,
     output_final_state: bool,
-    cu_seqlens: Tensor | None,
+    docs: DocumentBounds | None,
+    gate_lower_bound: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Chunkwise KDA (chunk 64) on validated inputs; computes in fp32 (fp64 for fp64 inputs)."""
+    """Chunkwise KDA (chunk 64) on validated inputs; computes in fp32 (fp64 for fp64 inputs).
+
+    The reference checks ``g`` itself (a device read) and does not use ``gate_lower_bound``."""
     if bool((g > 0).any()):
         raise ValueError("chunk_kda: g is a log-decay and must be <= 0 everywhere; use kda_gate to produce it")
     rows, seq_len, heads, key_dim = k.shape
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    layout = _ChunkLayout.build(seq_len, cu_seqlens, CHUNK_SIZE, q.device)
+    layout = _ChunkLayout.build(seq_len, None if docs is None else docs.host, CHUNK_SIZE, q.device)
 
     q, k, v, g = (layout.to_chunks(t.to(compute), CHUNK_SIZE) for t in (q, k, v, g))
     q = q * scale

@@ -34,8 +34,9 @@ All chunks' L, W, U and the causal score matrix are computed at once; only the l
 run in a loop over chunks. Decay ratios Gamma_i / Gamma_j are evaluated as exponentials of
 same-sign partial sums of g, never as a product with 1/Gamma (see ``_kda_chunk``).
 
-Packed documents (``cu_seqlens``, FlashAttention convention) are independent sequences: the state
-restarts from the document's initial state (or zero) at every boundary.
+Packed documents (``docs``: :class:`moe_lc.ops.documents.DocumentBounds`, or a plain ``cu_seqlens``
+tensor in the FlashAttention convention) are independent sequences: the state restarts from the
+document's initial state (or zero) at every boundary.
 
 Backends: :func:`chunk_kda` dispatches on ``backend``; ``"torch"`` is the reference here,
 ``"triton"`` (moe_lc_kernels) and ``"fla"`` (flash-linear-attention) run on CUDA when installed,
@@ -55,8 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moe_lc.ops._kda_chunk import chunk_kda_torch
-from moe_lc.ops.documents import host_bounds
-from moe_lc.ops.gate_floor import remember_gate_floor
+from moe_lc.ops.documents import DocumentBounds, as_document_bounds
 
 __all__ = [
     "kda_gate",
@@ -103,9 +103,7 @@ def kda_gate(
     finfo = torch.finfo(compute)
     # Largest value below 1 and smallest normal: sigmoid saturates to exactly 0 or 1 otherwise.
     fraction = torch.sigmoid(rate * x).clamp(min=finfo.tiny, max=1.0 - finfo.eps / 2)
-    g = lower_bound * fraction
-    remember_gate_floor(g, lower_bound)  # the kernels' bounded-gate check needs no device read
-    return g
+    return lower_bound * fraction
 
 
 # ----------------------------------------------------------------------------- validation
@@ -117,7 +115,7 @@ def _validate(
     g: Tensor,
     beta: Tensor,
     initial_state: Tensor | None,
-    cu_seqlens: Tensor | None,
+    docs: DocumentBounds | None,
 ) -> int:
     """Check shapes and return the number of sequences N (the leading dim of the states)."""
     if q.dim() != 4:
@@ -139,26 +137,19 @@ def _validate(
         raise ValueError(f"{name}: sequences must have at least one token (T=0)")
 
     num_seqs = batch
-    if cu_seqlens is not None:
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
-            raise ValueError(f"{name}: cu_seqlens must be a 1-D integer tensor [N+1], got {cu_seqlens.dtype} "
-                             f"shape {tuple(cu_seqlens.shape)}")
+    if docs is not None:  # DocumentBounds checked the boundaries themselves
         if batch != 1:
-            raise ValueError(f"{name}: with cu_seqlens the documents are packed in one row, so B must be 1 "
-                             f"(got B={batch}); flatten the batch into [1, B*T, ...]")
-        bounds = host_bounds(cu_seqlens)
-        if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != seq_len:
-            raise ValueError(
-                f"{name}: cu_seqlens must start at 0 and end at T={seq_len}, got {bounds[:3]}...{bounds[-2:]}"
-            )
-        if any(b <= a for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"{name}: cu_seqlens must be strictly increasing (no empty documents), got {bounds}")
-        num_seqs = len(bounds) - 1
+            raise ValueError(f"{name}: with packed documents (docs) the documents are packed in one row, so B must "
+                             f"be 1 (got B={batch}); flatten the batch into [1, B*T, ...]")
+        if docs.total != seq_len:
+            raise ValueError(f"{name}: the documents (docs) end at {docs.total} but T={seq_len}; the last "
+                             "boundary must be the row length")
+        num_seqs = docs.num_docs
 
     if initial_state is not None:
         expected = (num_seqs, heads, key_dim, v.shape[-1])
         if initial_state.shape != expected:
-            what = "documents" if cu_seqlens is not None else "sequences"
+            what = "documents" if docs is not None else "sequences"
             raise ValueError(
                 f"{name}: initial_state must be [N, H, K, V] = {expected} (N = number of {what}), "
                 f"got {tuple(initial_state.shape)}"
@@ -195,16 +186,18 @@ def recurrent_kda(
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
+    docs: DocumentBounds | Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """KDA by its definition, one token at a time (the reference; slow, use for checks only).
 
     q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]``; states ``[N, H, K, V]``
-    with N = B, or N documents when ``cu_seqlens`` (``[N+1]``, B must be 1) packs them in one row.
+    with N = B, or N documents when ``docs`` (DocumentBounds, or a ``cu_seqlens`` tensor ``[N+1]``
+    read once; B must be 1) packs them in one row.
     Returns ``(o [B, T, H, V] in q's dtype, final_state or None)``; computes in fp32 (fp64 for
     fp64 q); the final state is returned in the compute dtype.
     """
-    num_seqs = _validate("recurrent_kda", q, k, v, g, beta, initial_state, cu_seqlens)
+    docs = as_document_bounds(docs)
+    num_seqs = _validate("recurrent_kda", q, k, v, g, beta, initial_state, docs)
     heads, key_dim, value_dim = q.shape[2], q.shape[3], v.shape[3]
     scale = key_dim**-0.5 if scale is None else scale
     compute = _compute_dtype(q)
@@ -214,12 +207,11 @@ def recurrent_kda(
     else:
         states = initial_state.to(compute)
 
-    if cu_seqlens is None:
+    if docs is None:
         out, final = _recurrence(qc, kc, vc, gc, bc, scale, states)
     else:
-        bounds = host_bounds(cu_seqlens)
         pieces, finals = [], []
-        for n, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        for n, (start, end) in enumerate(zip(docs.host, docs.host[1:])):
             doc = [t[:, start:end] for t in (qc, kc, vc, gc, bc)]
             o_doc, s_doc = _recurrence(*doc, scale, states[n : n + 1])
             pieces.append(o_doc)
@@ -230,7 +222,8 @@ def recurrent_kda(
 
 # ----------------------------------------------------------------------------- backends
 class KDABackend(Protocol):
-    """A chunk_kda implementation; receives validated inputs and a resolved float ``scale``."""
+    """A chunk_kda implementation; receives validated inputs, a resolved float ``scale``, the packed
+    documents as DocumentBounds (or None) and the caller's lower bound on ``g`` (or None: unknown)."""
 
     def __call__(
         self,
@@ -242,7 +235,8 @@ class KDABackend(Protocol):
         scale: float,
         initial_state: Tensor | None,
         output_final_state: bool,
-        cu_seqlens: Tensor | None,
+        docs: DocumentBounds | None,
+        gate_lower_bound: float | None,
     ) -> tuple[Tensor, Tensor | None]: ...
 
 
@@ -310,20 +304,21 @@ def _kernel_takes(q: Tensor) -> bool:
     return q.is_cuda and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _triton_backend(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+def _triton_backend(q, k, v, g, beta, scale, initial_state, output_final_state, docs, gate_lower_bound):
     """moe_lc_kernels' Triton kernels. Inputs they cannot take (unbounded gates, head dims that are
     not powers of two in [16, 128], the largest run on a GPU) go to fla when it is installed, else
-    to the torch reference."""
+    to the torch reference. Without ``gate_lower_bound`` the gate check reads ``g.min()``."""
     from moe_lc_kernels.kda import chunk_kda_triton, gate_is_bounded, training_dims_ok
 
-    if not (gate_is_bounded(g) and training_dims_ok(q.shape[-1], v.shape[-1])):
+    if not (gate_is_bounded(g, gate_lower_bound) and training_dims_ok(q.shape[-1], v.shape[-1])):
         fla = _BACKENDS.get("fla")
         fallback = fla[0] if fla is not None and fla[1](q) else chunk_kda_torch
-        return fallback(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
-    return chunk_kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+        return fallback(q, k, v, g, beta, scale, initial_state, output_final_state, docs, gate_lower_bound)
+    return chunk_kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state,
+                            seq_bounds=None if docs is None else docs.host, gate_lower_bound=gate_lower_bound)
 
 
-def _fla_backend(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+def _fla_backend(q, k, v, g, beta, scale, initial_state, output_final_state, docs, gate_lower_bound):
     """flash-linear-attention's chunk_kda (``pip install fla-core``), the public baseline."""
     try:
         from fla.ops.kda import chunk_kda as fla_chunk_kda
@@ -332,8 +327,8 @@ def _fla_backend(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
     from moe_lc_kernels.kda import gate_is_bounded
 
     return fla_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                         output_final_state=output_final_state, safe_gate=gate_is_bounded(g),
-                         cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
+                         output_final_state=output_final_state, safe_gate=gate_is_bounded(g, gate_lower_bound),
+                         cu_seqlens=None if docs is None else docs.cu_seqlens.long())
 
 
 register_kda_backend("triton", _triton_backend,
@@ -350,7 +345,8 @@ def chunk_kda(
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
+    docs: DocumentBounds | Tensor | None = None,
+    gate_lower_bound: float | None = None,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor | None]:
     """KDA in chunkwise form (chunk 64); same arguments and results as :func:`recurrent_kda`.
@@ -358,9 +354,14 @@ def chunk_kda(
     ``g`` must be <= 0 (use :func:`kda_gate`). Any T works (padded internally); packed documents
     of any lengths are chunked separately. Differentiable by autograd. ``backend`` selects the
     implementation ("auto", "torch"; fast kernels register themselves).
+    ``gate_lower_bound``: a floor the caller guarantees for every element of ``g`` (e.g. the
+    ``lower_bound`` given to :func:`kda_gate`; not checked). The Triton kernels need a bounded
+    gate; without a floor the triton backend reads ``g.min()`` to find out, which on a GPU waits
+    for all queued work.
     """
-    _validate("chunk_kda", q, k, v, g, beta, initial_state, cu_seqlens)
+    docs = as_document_bounds(docs)
+    _validate("chunk_kda", q, k, v, g, beta, initial_state, docs)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     impl = _resolve_backend(backend, q)
-    out, final_state = impl(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    out, final_state = impl(q, k, v, g, beta, scale, initial_state, output_final_state, docs, gate_lower_bound)
     return out.to(q.dtype), final_state

@@ -16,6 +16,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from moe_lc.ops.documents import DocumentBounds, as_document_bounds
 from moe_lc.ops.kda import _installed, _kernel_takes, available_kda_backends, chunk_kda, kda_gate
 
 L2NORM_EPS = 1e-6
@@ -28,43 +29,45 @@ def l2_normalize(x: Tensor) -> Tensor:
 
 
 def _composed(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state,
-              cu_seqlens, kda_backend: str = "torch"):
-    """The definition: norm, gate and sigmoid in PyTorch, then :func:`chunk_kda` on ``kda_backend``."""
+              docs, kda_backend: str = "torch"):
+    """The definition: norm, gate and sigmoid in PyTorch, then :func:`chunk_kda` on ``kda_backend``
+    (told the gate's floor, so that a kernel needing a bounded gate does not read g back)."""
     wide = beta_logits if beta_logits.dtype in (torch.float32, torch.float64) else beta_logits.float()
     g = kda_gate(z, A_log, dt_bias, lower_bound=lower_bound)
     return chunk_kda(l2_normalize(q), l2_normalize(k), v, g, torch.sigmoid(wide), scale=scale,
-                     initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                     backend=kda_backend)
+                     initial_state=initial_state, output_final_state=output_final_state, docs=docs,
+                     gate_lower_bound=lower_bound, backend=kda_backend)
 
 
 _torch = _composed
 
 
 def _triton(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state,
-            cu_seqlens):
+            docs):
     from moe_lc_kernels.kda import GATE_SPAN_LIMIT, chunk_kda_fused, training_dims_ok
 
     if (lower_bound is None or not -GATE_SPAN_LIMIT <= lower_bound < 0
             or not training_dims_ok(q.shape[-1], v.shape[-1])):
         fallback = _fla if _fla_available(q) and lower_bound is not None else _torch
         return fallback(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state,
-                        output_final_state, cu_seqlens)
+                        output_final_state, docs)
     return chunk_kda_fused(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound=lower_bound, scale=scale,
-                           initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                           initial_state=initial_state, output_final_state=output_final_state,
+                           seq_bounds=None if docs is None else docs.host)
 
 
 def _fla(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state,
-         cu_seqlens):
+         docs):
     if lower_bound is None:  # fla's in-kernel gate is the bounded one
         return _torch(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state,
-                      output_final_state, cu_seqlens)
+                      output_final_state, docs)
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     return fla_chunk_kda(q, k, v, z, beta_logits, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
                          use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
                          lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias,
-                         cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
+                         cu_seqlens=None if docs is None else docs.cu_seqlens.long())
 
 
 def _triton_available(q: Tensor) -> bool:
@@ -90,12 +93,13 @@ def chunk_kda_from_projections(
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
+    docs: DocumentBounds | Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor | None]:
     """KDA on raw q, k (normalised here), v, the decay logit z [B, T, H, K] (gate as in
     :func:`kda_gate`: bounded with ``lower_bound``, softplus with None) and beta logits [B, T, H].
-    Returns ``(o, final_state or None)`` like :func:`chunk_kda`; differentiable in every tensor."""
+    ``docs``: packed documents as in :func:`chunk_kda`. Returns ``(o, final_state or None)`` like
+    :func:`chunk_kda`; differentiable in every tensor."""
     if backend == "auto":
         impl = next(fn for fn, supports in _BACKENDS.values() if supports(q))
     elif backend in _BACKENDS:
@@ -111,5 +115,5 @@ def chunk_kda_from_projections(
                          f'{["auto", *dict.fromkeys([*_BACKENDS, *available_kda_backends()])]}')
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out, final = impl(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state,
-                      cu_seqlens)
+                      as_document_bounds(docs))
     return out.to(v.dtype), final

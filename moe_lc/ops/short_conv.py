@@ -3,8 +3,9 @@
 ``causal_depthwise_conv`` is the definition (plain PyTorch, any dtype and device); ``short_conv``
 picks it or the fused Triton kernels (moe_lc_kernels.short_conv: one pass forward, two backward,
 where the reference makes a dozen elementwise passes each way). Packed rows hold several documents
-(``cu_seqlens``, FlashAttention convention); the convolution restarts at each one (SPEC 2.2),
-exactly as if every document were run alone.
+(``docs``: DocumentBounds, or a ``cu_seqlens`` tensor in the FlashAttention convention); the
+convolution restarts at each one, exactly as if every document were run alone. Only the device
+boundaries are used, so nothing is read back to the host.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from moe_lc.ops.documents import DocumentBounds
 
 __all__ = ["position_in_document", "causal_depthwise_conv", "short_conv", "resolve_backend",
            "triton_unsupported_reason"]
@@ -108,18 +111,22 @@ def resolve_backend(x: Tensor, weight: Tensor, backend: str = "auto") -> str:
 def short_conv(
     x: Tensor,
     weight: Tensor,
-    cu_seqlens: Optional[Tensor] = None,
+    docs: DocumentBounds | Tensor | None = None,
     activation: Optional[str] = "silu",
     backend: str = "auto",
 ) -> Tensor:
     """act(causal_depthwise_conv(x, weight, cu_seqlens)), differentiable in x and weight.
 
-    x: [B, T, C]; weight: [C, W]; cu_seqlens: [N+1] document boundaries (only with B == 1);
-    activation: "silu" or None. Backends: "torch" (the reference, in the dtype torch promotes x and
-    weight to), "triton" (fused kernels, fp32 accumulation, output in x's dtype), "auto" (triton
-    for CUDA fp32/bf16/fp16 inputs when installed, torch otherwise).
+    x: [B, T, C]; weight: [C, W]; docs: DocumentBounds or a cu_seqlens tensor [N+1] (packed
+    documents, only with B == 1); activation: "silu" or None. Backends: "torch" (the reference, in
+    the dtype torch promotes x and weight to), "triton" (fused kernels, fp32 accumulation, output
+    in x's dtype), "auto" (triton for CUDA fp32/bf16/fp16 inputs when installed, torch otherwise).
     """
+    cu_seqlens = docs.cu_seqlens if isinstance(docs, DocumentBounds) else docs
     _check(x, weight, cu_seqlens, activation, backend)
+    if isinstance(docs, DocumentBounds) and docs.total != x.shape[1]:
+        raise ValueError(f"short_conv: the documents (docs) end at {docs.total} but x has T = {x.shape[1]} tokens; "
+                         "the last boundary must be the row length")
     if resolve_backend(x, weight, backend) == "torch":
         y = causal_depthwise_conv(x, weight, cu_seqlens)
         return F.silu(y) if activation == "silu" else y

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from moe_lc.ops.documents import upload, upload_bounds
+from moe_lc.ops.documents import DocumentBounds, upload
 
 IGNORE_INDEX = -100
 FIRST_BUCKET = 64
@@ -104,9 +104,9 @@ def evaluate_stage(
         parts, total, count = [], 0.0, 0
         for i in range(sequences):
             batch = collate([eval_dataset[i]])
-            input_ids, cu_seqlens = _on_device(batch, device)
+            input_ids, docs = _on_device(batch, device)
             with autocast():
-                out = model(input_ids, cu_seqlens=cu_seqlens)
+                out = model(input_ids, docs=docs)
             losses = token_losses(out.logits, batch.labels)
             positions = positions_in_documents(batch.cu_seqlens, batch.input_ids.shape[1])
             parts.append(bucket_losses(losses, batch.labels, positions, seq_len))
@@ -119,9 +119,9 @@ def evaluate_stage(
         if passkey_documents > 0:
             docs = synthetic_documents("passkey", passkey_documents, seq_len, seed=seed, tokenizer=tokenizer)
             batch = answer_batch(docs)
-            input_ids, cu_seqlens = _on_device(batch, device)
+            input_ids, docs = _on_device(batch, device)
             with autocast():
-                out = model(input_ids, cu_seqlens=cu_seqlens)
+                out = model(input_ids, docs=docs)
             scores = score_answers(_full(out.logits), batch)
             result["passkey_loss"] = scores["answer_loss"]
             result["passkey_accuracy"] = scores["answer_accuracy"]
@@ -130,10 +130,10 @@ def evaluate_stage(
     return result
 
 
-def _on_device(batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input ids, cu_seqlens) on ``device`` without stream syncs: pinned uploads, and the host copy
-    of the boundaries handed to the layers (as the training step does)."""
-    return upload(batch.input_ids, device), upload_bounds(batch.cu_seqlens, device)
+def _on_device(batch: Any, device: torch.device) -> tuple[torch.Tensor, DocumentBounds]:
+    """(input ids, document bounds) on ``device`` without stream syncs: pinned uploads, and the host
+    copy of the boundaries handed to the layers (as the training step does)."""
+    return upload(batch.input_ids, device), DocumentBounds.from_host(batch.cu_seqlens, device)
 
 
 def describe_eval(result: dict[str, Any]) -> Optional[str]:

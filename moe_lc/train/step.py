@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from moe_lc.ops.documents import upload, upload_bounds
+from moe_lc.ops.documents import DocumentBounds, upload
 from moe_lc.optim import OptimConfig, apply_lr
 from moe_lc.train.model_setup import ModelState
 from moe_lc.train.runtime import Runtime
@@ -51,12 +51,12 @@ def train_step(
     last = len(micro_batches) - 1
     for i, batch in enumerate(micro_batches):
         state.set_gradient_sync(i == last)
-        cu_seqlens = upload_bounds(batch.cu_seqlens, device)
+        docs = DocumentBounds.from_host(batch.cu_seqlens, device)  # the layers never read the device back
         with autocast():
             out = model(
                 upload(batch.input_ids, device),
                 labels=upload(batch.labels, device),
-                cu_seqlens=cu_seqlens,
+                docs=docs,
                 return_logits=False,
             )
         n = batch.num_label_tokens
