@@ -143,11 +143,11 @@ def test_gated_ffn_is_the_same_through_either_backend():
 
 
 def test_dispatch_choices_and_errors():
-    a = torch.zeros(3, 4)
+    a = torch.zeros(3, 4, device=DEVICE)
     assert resolve_backend(a, a, "auto") == ("triton" if a.is_cuda else "torch")  # never the CPU interpreter
     assert resolve_backend(a, a, "torch") == "torch"
     with pytest.raises(RuntimeError, match="one shape"):
-        situ_glu(a, torch.zeros(3, 1), backend="triton")
+        situ_glu(a, torch.zeros(3, 1, device=DEVICE), backend="triton")
     with pytest.raises(RuntimeError, match="fp32/bf16/fp16"):
         situ_glu(a.double(), a.double(), backend="triton")
     with pytest.raises(ValueError, match="unknown backend"):
