@@ -13,8 +13,10 @@ import torch
 from torch import Tensor
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Elements per program and warps; memory-bound, so a block only has to keep enough bytes in flight.
-TUNING = dict(block=2048, warps=8)
+# Elements per program and warps. Memory-bound: on an H200 at 64M bf16 elements, 2048 x 4 warps ran
+# the forward at 2.38 TB/s (3 streams) and the backward at 3.29 TB/s (5 streams) against a 3.94 TB/s
+# copy; 1024 x 4 and 4096 x 8 were within 5%, 16 warps and 4096 x 4 10-35% slower.
+TUNING = dict(block=2048, warps=4)
 
 
 def _launch(kernel, n: int, *args) -> None:

@@ -78,29 +78,35 @@ def tolerance(ref: torch.Tensor, reduction: int) -> float:
     return 4 * reduction * EPS32 * ref.abs().max().item()
 
 
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
 @pytest.mark.parametrize(
-    "backend, activation_backend, counts_on",
+    "backend, activation_backend, counts_on, device",
     [
-        ("torch", "torch", "host"),
-        ("torch", "torch", "device"),
-        pytest.param("grouped", "torch", "device", marks=needs_grouped_mm),
-        pytest.param("grouped", "torch", "host", marks=needs_grouped_mm),
-        pytest.param("grouped", "triton", "device", marks=[needs_grouped_mm, needs_triton]),
+        ("torch", "torch", "host", "cpu"),
+        ("torch", "torch", "device", "cpu"),
+        pytest.param("grouped", "torch", "device", "cpu", marks=needs_grouped_mm),
+        pytest.param("grouped", "torch", "host", "cpu", marks=needs_grouped_mm),
+        pytest.param("grouped", "triton", "device", "cpu", marks=[needs_grouped_mm, needs_triton]),
+        pytest.param("auto", "auto", "device", "cuda", marks=cuda_only),  # fp32 grouped GEMM + fused SiTU
     ],
 )
-def test_experts_match_float64_with_empty_experts(backend, activation_backend, counts_on):
-    w = weights()
+def test_experts_match_float64_with_empty_experts(backend, activation_backend, counts_on, device):
+    w = [t.to(device) for t in weights()]
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(sum(COUNTS), WIDTH, generator=gen)
-    dy = torch.randn(sum(COUNTS), WIDTH, generator=gen)
-    counts = torch.tensor(COUNTS) if counts_on == "device" else COUNTS
+    x = torch.randn(sum(COUNTS), WIDTH, generator=gen).to(device)
+    dy = torch.randn(sum(COUNTS), WIDTH, generator=gen).to(device)
+    counts = torch.tensor(COUNTS, device=device) if counts_on == "device" else COUNTS
+    if backend == "auto":
+        assert resolve_backend(x, *w) == "grouped"
     out = run(lambda x_, *w_: grouped_glu(x_, counts, *w_, "situ", B1, B2, backend=backend,
                                           activation_backend=activation_backend), x, w, dy)
     ref = run(lambda x_, *w_: experts_float64(x_, COUNTS, *w_), x.double(), [t.double() for t in w], dy.double())
     reduction = max(WIDTH, HIDDEN, max(COUNTS))
     for name, got, want in zip(["y", "dx", "dw_gate", "dw_in", "dw_out"], out, ref):
         assert got.dtype == torch.float32 and got.shape == want.shape, name
-        err = (got.double() - want).abs().max().item()
+        err = (got.double() - want).abs().max().item()  # fp32 GEMMs: no TF32 unless a test turns it on
         assert err <= tolerance(want, reduction), f"{backend}: {name} off by {err:.3g}"
     for grad in out[2:]:  # empty experts: exactly zero, not garbage from unwritten memory
         assert torch.equal(grad[[0, 2, 6]], torch.zeros_like(grad[[0, 2, 6]]))
@@ -121,6 +127,7 @@ def test_backend_choice_and_errors():
     w = weights()
     x = torch.zeros(3, WIDTH)
     assert resolve_backend(x, *w, backend="auto") == "torch"  # CPU: the reference, bitwise the old path
+    assert resolve_backend(x.double(), *[t.double() for t in w], backend="auto") == "torch"
     with pytest.raises(RuntimeError, match="multiples of 4"):
         grouped_glu(torch.zeros(3, 6), [1, 2], torch.zeros(2, 12, 6), torch.zeros(2, 12, 6),
                     torch.zeros(2, 6, 12), "situ", B1, B2, backend="grouped")
@@ -206,8 +213,6 @@ def test_one_process_layer_makes_no_host_reads(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- on a GPU
-
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @cuda_only

@@ -30,7 +30,7 @@ from moe_lc.ops.grouped_experts import grouped_glu
 class RoutedExperts(nn.Module):
     """The n routed experts' weights, stacked so that they can be sharded along dim 0 (EP).
 
-    ``backend`` goes to ``grouped_glu`` ("auto": grouped GEMM on CUDA bf16, the loop elsewhere),
+    ``backend`` goes to ``grouped_glu`` ("auto": grouped GEMM on CUDA bf16/fp32, the loop elsewhere),
     ``activation_backend`` to the GLU activation ("auto": the fused SiTU kernel on GPUs).
     """
 

@@ -10,8 +10,10 @@ is what expert parallelism shards). Backends:
   gradient of the whole stacked weight per expert and matrix;
 - "grouped": one ``torch._grouped_mm`` per matrix with the offsets on the device: no host read, and
   the weight gradients come out of one grouped GEMM straight into the stacked [E, ...] layout;
-- "auto": grouped on CUDA bf16 (what the grouped kernels are built for), the reference otherwise
-  (CPU runs stay bitwise what the reference computes).
+- "auto": grouped on CUDA for bf16 and fp32, the reference otherwise (CPU runs stay bitwise what
+  the reference computes). On an H200 (torch 2.11) the grouped GEMM gave bitwise the loop's result
+  in both dtypes at the proxy preset's shapes ([32768, 512] rows, 64 experts of 512 x 512), 35x
+  faster in bf16 and 2.7x in fp32 (forward of the three matrices and SiTU).
 
 ``torch._grouped_mm`` wants row strides that are multiples of 16 bytes (l and h multiples of 8 in
 bf16, of 4 in fp32), int32 offsets on x's device, and it leaves rows past the last offset
@@ -35,6 +37,7 @@ __all__ = ["grouped_glu", "grouped_glu_reference", "grouped_glu_mm", "expert_off
 Counts = Union[Tensor, Sequence[int]]
 Activation = Callable[[Tensor, Tensor], Tensor]
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_AUTO_GROUPED_DTYPES = (torch.bfloat16, torch.float32)  # measured equal to the loop on CUDA (module docstring)
 _STRIDE_ALIGNMENT = 16  # bytes
 
 
@@ -97,8 +100,8 @@ def grouped_unsupported_reason(x: Tensor, w_gate: Tensor, w_in: Tensor, w_out: T
 
 
 def resolve_backend(x: Tensor, w_gate: Tensor, w_in: Tensor, w_out: Tensor, backend: str = "auto") -> str:
-    """The backend ``grouped_glu`` runs: "auto" takes the grouped GEMM for CUDA bf16 only."""
-    auto_grouped = x.is_cuda and x.dtype == torch.bfloat16
+    """The backend ``grouped_glu`` runs: "auto" takes the grouped GEMM for CUDA bf16 and fp32."""
+    auto_grouped = x.is_cuda and x.dtype in _AUTO_GROUPED_DTYPES
     return choose_backend("grouped_glu", backend, "grouped", grouped_unsupported_reason(x, w_gate, w_in, w_out),
                           auto_takes_fast=auto_grouped)
 

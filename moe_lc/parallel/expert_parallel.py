@@ -10,7 +10,7 @@ weights). A step of ``LatentMoE.routed`` becomes, dropless:
    d: the point of LatentMoE);
 4. regroup the received rows by local expert and run the local experts through the same
    dispatch as one process (``moe_lc.ops.grouped_experts.grouped_glu``: one grouped GEMM per
-   matrix on CUDA bf16, the reference loop elsewhere);
+   matrix on CUDA bf16/fp32, the reference loop elsewhere);
 5. combine: the inverse all-to-all, then the same weighted combine as one process.
 
 Autograd runs through both all-to-alls (their backward swaps the splits). Router, latent
