@@ -5,9 +5,11 @@
     z = W_down x                          u = sum_{j in T} p_j E_j(z)      (experts in latent width l)
     y = sum_s E_s^shared(x) + W_up RMSNorm(u)
 
-Dropless: every token reaches its k experts. Tokens are sorted by expert and each
-expert runs once on its contiguous slice (`grouped_experts`); expert parallelism
-replaces only the dispatch around that call.
+Dropless: every token reaches its k experts. Tokens are sorted by expert on the device
+(`sort_by_expert`) and every expert runs once on its contiguous slice through one dispatch
+(`moe_lc.ops.grouped_experts.grouped_glu`: a grouped GEMM on GPUs, the per-expert loop as the
+reference); `combine_by_token` forms the weighted sum. Expert parallelism replaces only the
+dispatch around the experts' call.
 """
 
 from __future__ import annotations
@@ -19,59 +21,69 @@ from torch import nn
 
 from moe_lc.config import MoEConfig
 from moe_lc.model.balancing import ExpertBalancer
-from moe_lc.model.ffn import GatedFFN, glu_activation
+from moe_lc.model.ffn import GatedFFN
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.precision import upcast
-
-
-def grouped_experts(
-    x_sorted: torch.Tensor,
-    tokens_per_expert: list[int],
-    w_gate: torch.Tensor,
-    w_in: torch.Tensor,
-    w_out: torch.Tensor,
-    activation: str,
-    beta1: float,
-    beta2: float,
-) -> torch.Tensor:
-    """Run expert e on its slice of `x_sorted` ([sum counts, l]); weights [E, h, l], [E, h, l], [E, l, h]."""
-    outs = []
-    start = 0
-    for e, n in enumerate(tokens_per_expert):
-        if n == 0:
-            continue
-        xe = x_sorted[start : start + n]
-        h = glu_activation(xe @ w_gate[e].t(), xe @ w_in[e].t(), activation, beta1, beta2)
-        outs.append(h @ w_out[e].t())
-        start += n
-    if not outs:
-        return x_sorted.new_zeros(0, w_out.shape[1])
-    return torch.cat(outs, dim=0)
+from moe_lc.ops.grouped_experts import grouped_glu
 
 
 class RoutedExperts(nn.Module):
-    """The n routed experts' weights, stacked so that they can be sharded along dim 0 (EP)."""
+    """The n routed experts' weights, stacked so that they can be sharded along dim 0 (EP).
 
-    def __init__(self, num_experts: int, dim: int, hidden: int, activation: str, beta1: float, beta2: float):
+    ``backend`` goes to ``grouped_glu`` ("auto": grouped GEMM on CUDA bf16/fp32, the loop elsewhere),
+    ``activation_backend`` to the GLU activation ("auto": the fused SiTU kernel on GPUs).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        hidden: int,
+        activation: str,
+        beta1: float,
+        beta2: float,
+        backend: str = "auto",
+        activation_backend: str = "auto",
+    ):
         super().__init__()
         self.w_gate = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.w_in = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.w_out = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.activation, self.beta1, self.beta2 = activation, beta1, beta2
+        self.backend, self.activation_backend = backend, activation_backend
 
-    def forward(self, x_sorted: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        return grouped_experts(
-            x_sorted, tokens_per_expert, self.w_gate, self.w_in, self.w_out, self.activation, self.beta1, self.beta2
+    def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return grouped_glu(
+            x_sorted, tokens_per_expert, self.w_gate, self.w_in, self.w_out, self.activation, self.beta1,
+            self.beta2, backend=self.backend, activation_backend=self.activation_backend,
         )
 
 
-def sort_by_expert(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Flattened (token, slot) assignments ordered by expert: (order, token_of_row, counts per expert)."""
+def sort_by_expert(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flattened (token, slot) assignments ordered by expert: (order, token_of_row, counts [E] int64).
+
+    All three stay on topk_idx's device with no host read. The counts come from a search of the
+    sorted expert ids, not ``torch.bincount``: on CUDA bincount reads the largest id back to the
+    host to size its output, a stream sync per layer.
+    """
     flat = topk_idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    experts_sorted, order = torch.sort(flat, stable=True)
     token_of_row = order // topk_idx.shape[1]
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    ends = torch.searchsorted(experts_sorted, torch.arange(num_experts, device=flat.device), right=True)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
     return order, token_of_row, counts
+
+
+def combine_by_token(out_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """u_t = sum_j p_tj out[row of (t, j)]: [T, width] in at least fp32 from rows in expert order.
+
+    The rows go back to (token, slot) order by a copy to the inverse permutation (each row lands
+    once; its backward is a gather by ``order``), then each token's k rows are summed in fp32 in
+    slot order: deterministic on GPUs, where a scatter-add's atomics sum them in a varying order.
+    """
+    tokens, k = weights.shape
+    by_slot = out_sorted.new_empty(out_sorted.shape).index_copy(0, order, out_sorted)
+    return (upcast(by_slot).view(tokens, k, -1) * weights.unsqueeze(-1)).sum(1)
 
 
 class LatentMoE(nn.Module):
@@ -115,13 +127,10 @@ class LatentMoE(nn.Module):
         return scores, topk_idx, weights
 
     def routed(self, z: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """u = sum_{j in T} p_j E_j(z) with a sort/gather dispatch (the single-process reference)."""
+        """u = sum_{j in T} p_j E_j(z) on one process: sort by expert, the experts, combine (no host read)."""
         order, token_of_row, counts = sort_by_expert(topk_idx, self.cfg.num_routed)
         out_sorted = self.experts(z[token_of_row], counts)
-        w_sorted = weights.reshape(-1)[order].unsqueeze(-1)
-        u = upcast(z.new_zeros(z.shape))
-        u.index_add_(0, token_of_row, (upcast(out_sorted) * w_sorted))
-        return u.to(z.dtype)
+        return combine_by_token(out_sorted, order, weights).to(z.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -17,7 +17,7 @@ from moe_lc.config import ConfigError
 from moe_lc.model.moe import LatentMoE
 from moe_lc.model.transformer import MoELCModel
 from moe_lc.parallel.data_parallel import DataParallelGroups, apply_fsdp, mixed_precision_policy
-from moe_lc.parallel.expert_parallel import apply_expert_parallel, use_grouped_experts
+from moe_lc.parallel.expert_parallel import apply_expert_parallel
 from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.parallel.local_params import expose_all_local_parameters
 from moe_lc.parallel.mesh import build_expert_mesh, dims_group
@@ -51,10 +51,6 @@ def parallelize(model: MoELCModel, layout: ParallelLayout, mesh: DeviceMesh) -> 
         apply_tensor_parallel(model, mesh["tp"])
     if layout.ep > 1:
         apply_expert_parallel(model, expert_mesh["ep"])
-    if mesh.device_type == "cuda":  # grouped GEMM for the local experts
-        for moe in model.modules():
-            if isinstance(moe, LatentMoE):
-                use_grouped_experts(moe.experts)
     expose_all_local_parameters(model)
 
     expert_params = {id(p) for m in model.modules() if isinstance(m, LatentMoE) for p in m.experts.parameters()}

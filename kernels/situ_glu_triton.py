@@ -1,0 +1,79 @@
+"""Triton kernels of SiTU-GLU, h = [b1 tanh(a/b1) sigmoid(a)] * [b2 tanh(c/b2)]; launched from situ_glu.py.
+
+Elementwise over contiguous, equally shaped a, c (any shape, seen flat): each program owns BLOCK
+consecutive elements. Math in fp32, loads and stores in the tensors' dtype. Offsets are int64: a
+[tokens, hidden] activation can exceed 2^31 elements.
+
+tanh and sigmoid are written out from one exp each so that every quantity keeps its relative
+precision (the interpreter has no libdevice tanh, and ``2 sigmoid(2x) - 1`` loses all relative
+precision near 0, where b tanh(x/b) ~ x must stay exact to an ulp):
+
+- tanh(x): an odd Taylor polynomial to x^9 for |x| < 1/4 (truncation < 1e-8 relative), else
+  (1 - e) / (1 + e) with e = exp(-2|x|) (1 - e >= 0.39 there, so no cancellation);
+- 1 - tanh(x)^2 = 4e / (1 + e)^2: no cancellation when tanh(x) is close to 1;
+- sigmoid(x) and 1 - sigmoid(x) from e = exp(-|x|): no overflow and no cancellation at either end.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+SMALL_TANH = tl.constexpr(0.25)  # below it the polynomial, above it the exp formula
+
+
+@triton.jit
+def _tanh_sech2(x):
+    """tanh(x) and its derivative 1 - tanh(x)^2, both to a few fp32 ulps of relative precision."""
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    r = 1.0 / (1.0 + e)  # the one division (IEEE division is the costliest instruction here)
+    x2 = x * x
+    poly = ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+    t = tl.where(ax < SMALL_TANH, poly, (1.0 - e) * r)
+    t = tl.where(x < 0.0, -t, t)
+    return t, 4.0 * e * r * r
+
+
+@triton.jit
+def _sigmoid_pair(x):
+    """sigmoid(x) and 1 - sigmoid(x) = sigmoid(-x)."""
+    e = tl.exp(-tl.abs(x))
+    r = 1.0 / (1.0 + e)
+    q = e * r
+    pos = x >= 0.0
+    return tl.where(pos, r, q), tl.where(pos, q, r)
+
+
+@triton.jit
+def situ_glu_fwd_kernel(a, c, h, n, beta1, beta2, BLOCK: tl.constexpr):
+    """h = (b1 tanh(a/b1) sigmoid(a)) (b2 tanh(c/b2)) in h's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    av = tl.load(a + offs, mask=mask, other=0.0).to(tl.float32)
+    cv = tl.load(c + offs, mask=mask, other=0.0).to(tl.float32)
+    t1, _ = _tanh_sech2(av * (1.0 / beta1))
+    t2, _ = _tanh_sech2(cv * (1.0 / beta2))
+    s, _ = _sigmoid_pair(av)
+    out = (beta1 * t1 * s) * (beta2 * t2)
+    tl.store(h + offs, out.to(h.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def situ_glu_bwd_kernel(a, c, dh, da, dc, n, beta1, beta2, BLOCK: tl.constexpr):
+    """da = dh u (sech^2(a/b1) s + g s (1 - s)), dc = dh g s sech^2(c/b2), with g = b1 tanh(a/b1),
+    s = sigmoid(a), u = b2 tanh(c/b2) recomputed from a and c (h is not kept)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    av = tl.load(a + offs, mask=mask, other=0.0).to(tl.float32)
+    cv = tl.load(c + offs, mask=mask, other=0.0).to(tl.float32)
+    g_out = tl.load(dh + offs, mask=mask, other=0.0).to(tl.float32)
+    t1, sech1 = _tanh_sech2(av * (1.0 / beta1))
+    t2, sech2 = _tanh_sech2(cv * (1.0 / beta2))
+    s, one_minus_s = _sigmoid_pair(av)
+    g = beta1 * t1
+    up = beta2 * t2
+    d_a = g_out * up * (sech1 * s + g * s * one_minus_s)
+    d_c = g_out * (g * s) * sech2
+    tl.store(da + offs, d_a.to(da.dtype.element_ty), mask=mask)
+    tl.store(dc + offs, d_c.to(dc.dtype.element_ty), mask=mask)

@@ -1,0 +1,267 @@
+"""The routed experts' dispatch (moe_lc.ops.grouped_experts) and the one-process MoE path around it.
+
+The grouped path runs ``torch._grouped_mm`` in fp32 on CPU (torch >= 2.13) and is compared, with
+the reference loop, to the experts written out in float64 (autograd for the gradients). Routing is
+random with empty experts, the first and the last among them. Tolerance: each output is a chain of
+fp32 dot products of at most K terms (K the longest reduction: width, hidden or an expert's rows),
+so it may be off by about K eps32 times the size of its terms; ``TOL_FACTOR`` K eps32 of the
+largest magnitude, with a margin of 4 for the chain of three GEMMs and the activation.
+
+On a GPU the same tests also run the CUDA path (bf16 grouped GEMM, fused SiTU) and check under
+``torch.cuda.set_sync_debug_mode("error")`` that the layer never waits for the device.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from moe_lc.config import MoEConfig  # noqa: E402
+from moe_lc.model.moe import LatentMoE, combine_by_token, sort_by_expert  # noqa: E402
+from moe_lc.ops.grouped_experts import grouped_glu, resolve_backend  # noqa: E402
+from moe_lc_kernels import triton_available  # noqa: E402
+
+F64 = torch.float64
+EPS32 = torch.finfo(torch.float32).eps
+B1, B2 = 4.0, 25.0
+WIDTH, HIDDEN = 8, 12  # rows of 32 and 48 bytes in fp32: what _grouped_mm takes
+COUNTS = [0, 9, 0, 17, 1, 6, 0]  # 7 experts, 33 rows; experts 0, 2 and 6 get nothing
+
+
+def _grouped_mm_runs_here() -> bool:
+    """torch._grouped_mm exists and takes fp32 on CPU (torch >= 2.13)."""
+    try:
+        torch._grouped_mm(torch.zeros(2, 4), torch.zeros(1, 4, 4), offs=torch.tensor([2], dtype=torch.int32))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+needs_grouped_mm = pytest.mark.skipif(not _grouped_mm_runs_here(), reason="torch._grouped_mm does not run on CPU here")
+needs_triton = pytest.mark.skipif(not triton_available("cpu"), reason="Triton's interpreter is not available")
+
+
+def weights(experts: int = len(COUNTS), seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    w_gate = torch.randn(experts, HIDDEN, WIDTH, generator=gen) * WIDTH**-0.5
+    w_in = torch.randn(experts, HIDDEN, WIDTH, generator=gen) * WIDTH**-0.5 * 4.0  # c reaches b2's bend
+    w_out = torch.randn(experts, WIDTH, HIDDEN, generator=gen) * HIDDEN**-0.5
+    return w_gate, w_in, w_out
+
+
+def experts_float64(x, counts, w_gate, w_in, w_out):
+    """Expert e's SiTU-GLU on its rows, written out from the formula."""
+    rows, start = [], 0
+    for e, n in enumerate(counts):
+        xe = x[start : start + n]
+        a, c = xe @ w_gate[e].T, xe @ w_in[e].T
+        h = B1 * torch.tanh(a / B1) * torch.sigmoid(a) * (B2 * torch.tanh(c / B2))
+        rows.append(h @ w_out[e].T)
+        start += n
+    return torch.cat(rows)
+
+
+def run(fn, x, w, dy):
+    """Output and gradients of x and of the three stacked weights."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, *w)]
+    y = fn(*leaves)
+    y.backward(dy)
+    return [y.detach()] + [t.grad for t in leaves]
+
+
+def tolerance(ref: torch.Tensor, reduction: int) -> float:
+    return 4 * reduction * EPS32 * ref.abs().max().item()
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize(
+    "backend, activation_backend, counts_on, device",
+    [
+        ("torch", "torch", "host", "cpu"),
+        ("torch", "torch", "device", "cpu"),
+        pytest.param("grouped", "torch", "device", "cpu", marks=needs_grouped_mm),
+        pytest.param("grouped", "torch", "host", "cpu", marks=needs_grouped_mm),
+        pytest.param("grouped", "triton", "device", "cpu", marks=[needs_grouped_mm, needs_triton]),
+        pytest.param("auto", "auto", "device", "cuda", marks=cuda_only),  # fp32 grouped GEMM + fused SiTU
+    ],
+)
+def test_experts_match_float64_with_empty_experts(backend, activation_backend, counts_on, device):
+    w = [t.to(device) for t in weights()]
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(sum(COUNTS), WIDTH, generator=gen).to(device)
+    dy = torch.randn(sum(COUNTS), WIDTH, generator=gen).to(device)
+    counts = torch.tensor(COUNTS, device=device) if counts_on == "device" else COUNTS
+    if backend == "auto":
+        assert resolve_backend(x, *w) == "grouped"
+    out = run(lambda x_, *w_: grouped_glu(x_, counts, *w_, "situ", B1, B2, backend=backend,
+                                          activation_backend=activation_backend), x, w, dy)
+    ref = run(lambda x_, *w_: experts_float64(x_, COUNTS, *w_), x.double(), [t.double() for t in w], dy.double())
+    reduction = max(WIDTH, HIDDEN, max(COUNTS))
+    for name, got, want in zip(["y", "dx", "dw_gate", "dw_in", "dw_out"], out, ref):
+        assert got.dtype == torch.float32 and got.shape == want.shape, name
+        err = (got.double() - want).abs().max().item()  # fp32 GEMMs: no TF32 unless a test turns it on
+        assert err <= tolerance(want, reduction), f"{backend}: {name} off by {err:.3g}"
+    for grad in out[2:]:  # empty experts: exactly zero, not garbage from unwritten memory
+        assert torch.equal(grad[[0, 2, 6]], torch.zeros_like(grad[[0, 2, 6]]))
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("grouped", marks=needs_grouped_mm)])
+def test_no_rows_still_reaches_the_weights(backend):
+    """An expert-parallel rank that receives nothing must still run backward into its experts."""
+    w = [t.requires_grad_(True) for t in weights()]
+    x = torch.zeros(0, WIDTH, requires_grad=True)
+    y = grouped_glu(x, torch.zeros(len(COUNTS), dtype=torch.long), *w, "situ", B1, B2, backend=backend)
+    y.sum().backward()
+    assert y.shape == (0, WIDTH)
+    assert all(t.grad is not None and not t.grad.any() for t in w)
+
+
+def test_backend_choice_and_errors():
+    w = weights()
+    x = torch.zeros(3, WIDTH)
+    assert resolve_backend(x, *w, backend="auto") == "torch"  # CPU: the reference, bitwise the old path
+    assert resolve_backend(x.double(), *[t.double() for t in w], backend="auto") == "torch"
+    with pytest.raises(RuntimeError, match="multiples of 4"):
+        grouped_glu(torch.zeros(3, 6), [1, 2], torch.zeros(2, 12, 6), torch.zeros(2, 12, 6),
+                    torch.zeros(2, 6, 12), "situ", B1, B2, backend="grouped")
+    with pytest.raises(ValueError, match="one row count per expert"):
+        grouped_glu(x, [3], *w, "situ", B1, B2)
+    with pytest.raises(ValueError, match="add up to 2 rows"):
+        grouped_glu(x, [1, 1, 0, 0, 0, 0, 0], *w, "situ", B1, B2)
+    with pytest.raises(ValueError, match="unknown backend"):
+        grouped_glu(x, [3, 0, 0, 0, 0, 0, 0], *w, "situ", B1, B2, backend="loop")
+
+
+def test_sort_and_combine_against_a_direct_sum():
+    """sort_by_expert's counts and order, and combine_by_token = sum_j p_tj out_{e_tj}(t)."""
+    gen = torch.Generator().manual_seed(2)
+    tokens, k, experts = 11, 3, 6
+    topk_idx = torch.stack([torch.randperm(experts - 1, generator=gen)[:k] for _ in range(tokens)])  # 5 never used
+    order, token_of_row, counts = sort_by_expert(topk_idx, experts)
+    assert counts.tolist() == torch.bincount(topk_idx.reshape(-1), minlength=experts).tolist()
+    experts_of_rows = topk_idx.reshape(-1)[order]
+    assert torch.equal(experts_of_rows, experts_of_rows.sort().values) and torch.equal(token_of_row, order // k)
+    p = torch.rand(tokens, k, generator=gen, dtype=F64)
+    table = torch.randn(experts, tokens, 4, generator=gen).double()  # expert e's output for token t
+    out_sorted = table[experts_of_rows, token_of_row].float()  # exact: the table holds fp32 values
+    u = combine_by_token(out_sorted, order, p)
+    direct = sum(p[:, j, None] * table[topk_idx[:, j], torch.arange(tokens)] for j in range(k))
+    eps64 = torch.finfo(F64).eps
+    assert u.dtype == F64 and torch.allclose(u, direct, rtol=0, atol=2 * k * eps64 * direct.abs().max().item())
+
+
+def moe_layer(seed: int = 0) -> LatentMoE:
+    torch.manual_seed(seed)
+    cfg = MoEConfig(num_routed=8, top_k=2, num_shared=1, latent_dim=WIDTH, expert_hidden=HIDDEN)
+    moe = LatentMoE(16, cfg)
+    for name, p in moe.named_parameters():
+        if "norm" not in name:
+            torch.nn.init.normal_(p, 0.0, 0.3)
+    moe.balancer.bias.copy_(torch.tensor([3.0, -9.0, 0.0, 0.0, 0.0, 0.0, -9.0, 0.0]))  # experts 1, 6 idle
+    return moe
+
+
+@needs_grouped_mm
+def test_latent_moe_is_the_same_with_either_backend():
+    x = torch.randn(2, 24, 16, generator=torch.Generator().manual_seed(3))
+    results = []
+    for backend in ("torch", "grouped"):
+        moe = moe_layer()
+        moe.experts.backend = backend
+        xb = x.clone().requires_grad_(True)
+        y = moe(xb)
+        (y * torch.linspace(-1, 1, 16)).sum().backward()
+        results.append([y.detach(), xb.grad] + [p.grad for p in moe.parameters()])
+    for got, want in zip(results[1], results[0]):
+        assert torch.allclose(got, want, rtol=0, atol=tolerance(want, 48)), (got - want).abs().max()
+
+
+class HostRead(AssertionError):
+    pass
+
+
+@needs_grouped_mm
+def test_one_process_layer_makes_no_host_reads(monkeypatch):
+    """Forward and backward of the layer on the grouped path never read a tensor back to the host."""
+    moe = moe_layer()
+    moe.experts.backend = "grouped"
+    x = torch.randn(2, 24, 16, requires_grad=True)
+
+    def refuse(name):
+        def read(*args, **kwargs):
+            raise HostRead(f"Tensor.{name} read a tensor back to the host")
+
+        return read
+
+    for name in ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+    y = moe(x)
+    y.backward(torch.ones_like(y))
+    monkeypatch.undo()
+    assert moe.experts.w_gate.grad is not None and x.grad is not None
+    with pytest.raises(HostRead):  # the check is live: the reference loop does read the counts
+        monkeypatch.setattr(torch.Tensor, "tolist", refuse("tolist"))
+        moe.experts.backend = "torch"
+        moe(x)
+
+
+# ----------------------------------------------------------------------------- on a GPU
+
+
+@cuda_only
+def test_cuda_routed_experts_match_float64():
+    """auto on CUDA bf16 = grouped GEMM + fused SiTU; the routed path (sort, experts, combine) is within
+    a few bf16 eps (norm-wise) of the float64 reference loop on the same bf16 weights and routing:
+    about six bf16 roundings of eps/2 each lie on the way to any output or gradient."""
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_routed=16, top_k=4, num_shared=0, latent_dim=64, expert_hidden=128)
+    moe = LatentMoE(128, cfg).cuda().bfloat16()
+    for p in moe.experts.parameters():
+        torch.nn.init.normal_(p, 0.0, 64**-0.5)
+    ref = LatentMoE(128, cfg).cuda().double()
+    ref.load_state_dict(moe.state_dict())  # the same bf16 values, upcast exactly
+    tokens = 1024
+    scores = torch.rand(tokens, 16, device="cuda")
+    scores[:, [3, 11]] = -1.0  # experts 3 and 11 get nothing
+    topk_idx = scores.topk(4, dim=-1).indices
+    p = torch.rand(tokens, 4, device="cuda")
+    z = torch.randn(tokens, 64, device="cuda").bfloat16()
+    dy = torch.randn(tokens, 64, device="cuda").bfloat16()
+    assert resolve_backend(z, moe.experts.w_gate, moe.experts.w_in, moe.experts.w_out) == "grouped"
+    got = run(lambda z_, p_: moe.routed(z_, topk_idx, p_), z, [p], dy)
+    want = run(lambda z_, p_: ref.routed(z_, topk_idx, p_), z.double(), [p.double()], dy.double())
+    got += [q.grad for q in moe.experts.parameters()]
+    want += [q.grad for q in ref.experts.parameters()]
+    eps = torch.finfo(torch.bfloat16).eps
+    for name, g, w in zip(["u", "dz", "dp", "dw_gate", "dw_in", "dw_out"], got, want):
+        rel = ((g.double() - w).norm() / w.norm()).item()
+        assert rel <= 4 * eps, f"{name}: relative error {rel:.3g} > 4 bf16 eps"
+    assert not moe.experts.w_gate.grad[[3, 11]].any()
+
+
+@cuda_only
+def test_cuda_layer_never_waits_for_the_device():
+    """Forward and backward of the whole layer under sync-debug "error" (eval mode: the balancer's
+    training statistics use torch.bincount, which reads its maximum back to the host)."""
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_routed=16, top_k=4, num_shared=1, latent_dim=64, expert_hidden=128)
+    moe = LatentMoE(128, cfg).cuda().bfloat16().eval()
+    for name, p in moe.named_parameters():
+        if "norm" not in name:
+            torch.nn.init.normal_(p, 0.0, 0.05)
+    x = torch.randn(4, 256, 128, device="cuda").bfloat16().requires_grad_(True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = moe(x)
+        y.backward(torch.ones_like(y))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert moe.experts.w_gate.grad is not None and torch.isfinite(x.grad).all()
