@@ -135,9 +135,9 @@ def test_mask_is_built_once_for_several_calls(backend, monkeypatch):
     skip_unless_runs(backend, q, k, v)
     lens = CASES["one-token documents"]
     builds, reads = [], []
-    block_mask, host_bounds = attention._block_mask, attention.host_bounds
+    block_mask, read_bounds = attention._block_mask, attention._read_bounds
     monkeypatch.setattr(attention, "_block_mask", lambda *a, **kw: builds.append(1) or block_mask(*a, **kw))
-    monkeypatch.setattr(attention, "host_bounds", lambda cu: reads.append(1) or host_bounds(cu))
+    monkeypatch.setattr(attention, "_read_bounds", lambda cu: reads.append(1) or read_bounds(cu))
 
     mask = document_mask(T, device=DEVICE, backend=backend, **documents(lens))
     built, read = len(builds), len(reads)
@@ -156,10 +156,21 @@ def test_host_bounds_need_no_device_read(backend, monkeypatch):
     """seq_bounds (the host copy the trainer has) replaces the device read of cu_seqlens."""
     q, k, v, _ = inputs(DTYPES[-1])
     skip_unless_runs(backend, q, k, v)
-    monkeypatch.setattr(attention, "host_bounds", lambda cu: pytest.fail("cu_seqlens was read back"))
+    monkeypatch.setattr(attention, "_read_bounds", lambda cu: pytest.fail("cu_seqlens was read back"))
     lens = CASES["one-token documents"]
     out = causal_document_attention(q, k, v, 0.3, backend=backend, seq_bounds=bounds_of(lens), **documents(lens))
     assert rel(out, reference(q, k, v, 0.3, lens)) < TOLERANCE[q.dtype]
+
+
+@pytest.mark.parametrize("given", ["cu_seqlens", "seq_bounds"])
+def test_one_document_spanning_the_row_is_plain_causal(given, monkeypatch):
+    """[0, T] needs no mask and no host read: auto takes the no-documents order (SDPA on CUDA)."""
+    monkeypatch.setattr(attention, "_read_bounds", lambda cu: pytest.fail("cu_seqlens was read back"))
+    documents = {"cu_seqlens": torch.tensor([0, T], dtype=torch.int32, device=DEVICE), "seq_bounds": [0, T]}
+    mask = document_mask(T, device=DEVICE, **{given: documents[given]})
+    assert not mask.has_documents and mask.backend == resolve_backend("auto", DEVICE, has_documents=False)
+    q, k, v, _ = inputs(DTYPES[-1])
+    assert rel(causal_document_attention(q, k, v, 0.3, mask=mask), reference(q, k, v, 0.3, [T])) < TOLERANCE[q.dtype]
 
 
 def test_auto_is_torch_on_cpu():

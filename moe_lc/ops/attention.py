@@ -6,7 +6,8 @@ Per head, for tokens i, j of one row,
 
 where doc(i) is the document token i belongs to. Documents are given by their boundaries in the
 FlashAttention ``cu_seqlens`` convention (``[0, end_1, ..., T]``, one packed row, B == 1); without
-boundaries every row is one document. q and k share a head size (MLA: 128 "nope" + 64 shared key
+boundaries, or with one document spanning the row, every row is one document (plain causal
+attention). q and k share a head size (MLA: 128 "nope" + 64 shared key
 channels = 192), v may be narrower (MLA: 128).
 
 Backends (``backend=``):
@@ -22,8 +23,14 @@ Backends (``backend=``):
   sliced off; exact).
 * ``"auto"``: on CUDA the first of :data:`CUDA_ORDER_DOCUMENTS` (with documents) or
   :data:`CUDA_ORDER_NO_DOCUMENTS` (without) that runs here and takes the inputs; ``"torch"`` on CPU.
-  The orders come from ``benchmarks/bench_attention.py`` (docs/attention_notes.md); change them
-  there when a measurement says otherwise.
+
+Why those orders (H200, bf16, ``benchmarks/bench_attention.py``, docs/attention_notes.md): without
+documents SDPA runs cuDNN's Hopper kernel, about twice FlashAttention-2's speed. With documents the
+per-document SDPA loop is as fast only while the document lengths repeat: cuDNN builds a plan for
+every new sequence length (about 0.1 s each), and training packs new lengths into every batch, so
+the loop took seconds per call where varlen took 27 ms (T = 64K, 24 documents). varlen was
+1.2-1.4x faster than flex at all shapes measured but one (within 3% there). Change the orders
+when a measurement says otherwise.
 
 The mask depends only on the batch's boundaries, not on the layer, so it is built once per batch
 with :func:`document_mask` and handed to every MLA layer (``mask=``); without one, each call builds
@@ -42,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe_lc.ops.documents import host_bounds, upload
+from moe_lc.ops.documents import upload
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -66,8 +73,7 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "torch", "flex", "varlen")
-# What "auto" tries on CUDA, fastest first. Decided from benchmarks/bench_attention.py on an H200
-# (docs/attention_notes.md); "torch" last, as it takes every input.
+# What "auto" tries on CUDA, fastest first (measured on an H200: the module docstring says why).
 CUDA_ORDER_DOCUMENTS = ("varlen", "flex", "torch")
 CUDA_ORDER_NO_DOCUMENTS = ("torch", "varlen", "flex")
 
@@ -185,6 +191,20 @@ def _check_bounds(bounds: Sequence[int], seq_len: int) -> tuple[int, ...]:
     return bounds
 
 
+def _read_bounds(cu_seqlens: Tensor) -> list[int]:
+    """The boundaries read back from the device: on CUDA this waits for all queued GPU work, so
+    callers that have the host copy pass it as ``seq_bounds`` instead."""
+    return cu_seqlens.tolist()
+
+
+def _several_documents(cu_seqlens: Optional[Tensor], seq_bounds: Optional[Sequence[int]]) -> bool:
+    """Whether the boundaries split the row: one document spanning it is plain causal attention,
+    which runs as such (no mask; SDPA's fastest kernel on CUDA). Decided from sizes, not values."""
+    if seq_bounds is not None:
+        return len(seq_bounds) > 2
+    return cu_seqlens is not None and cu_seqlens.numel() > 2
+
+
 def _document_ids(cu_seqlens: Tensor, seq_len: int) -> Tensor:
     """[T] index of each token's document, computed on cu_seqlens' device (no host read)."""
     positions = torch.arange(seq_len, device=cu_seqlens.device)
@@ -232,21 +252,23 @@ def document_mask(
     by device alone (the inputs are not known yet); a call whose inputs the mask's backend cannot
     take falls back to "torch" under "auto".
     """
-    has_documents = cu_seqlens is not None or seq_bounds is not None
     if device is None:
         device = cu_seqlens.device if cu_seqlens is not None else torch.device("cpu")
     device = torch.device(device)
-    if has_documents and batch != 1:
+    if (cu_seqlens is not None or seq_bounds is not None) and batch != 1:
         raise ValueError(f"attention: packed documents need batch size 1, got {batch}; pack the rows into one "
                          "(reshape to [1, H, B * T, D]) with boundaries for every document")
     if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2):
         raise ValueError(f"attention: cu_seqlens must be 1-D [N+1] document boundaries (0, ..., T), got shape "
                          f"{tuple(cu_seqlens.shape)}")
     bounds = None if seq_bounds is None else _check_bounds(seq_bounds, seq_len)
+    has_documents = _several_documents(cu_seqlens, seq_bounds)
+    if not has_documents:
+        cu_seqlens = bounds = None
     name = resolve_backend(backend, device, has_documents)
     if name == "torch":
         if has_documents and bounds is None:
-            bounds = _check_bounds(host_bounds(cu_seqlens), seq_len)
+            bounds = _check_bounds(_read_bounds(cu_seqlens), seq_len)
         return DocumentMask("torch", seq_len, batch, has_documents, bounds=bounds, cu_seqlens=cu_seqlens)
     if has_documents and cu_seqlens is None:
         cu_seqlens = upload(torch.tensor(bounds, dtype=torch.int32), device)
@@ -258,7 +280,7 @@ def document_mask(
                             block_mask=_block_mask(mask_mod, seq_len, device))
     if has_documents:
         if bounds is None:
-            bounds = _check_bounds(host_bounds(cu_seqlens), seq_len)
+            bounds = _check_bounds(_read_bounds(cu_seqlens), seq_len)
         cu32, max_len = cu_seqlens.to(torch.int32), max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     else:
         cu32 = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=device)
@@ -276,10 +298,13 @@ def _torch_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bounds: Opti
         return _torch_attention(q, k, F.pad(v, (0, q.shape[-1] - v_dim)), scale, bounds)[..., :v_dim]
     if bounds is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    # split, not one slice per document: its backward writes the gradient pieces into one tensor,
+    # where every slice's backward would fill a whole-row tensor of zeros.
+    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     outs = [
-        F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=scale)
-        for s, e in zip(bounds[:-1], bounds[1:])
-        if e > s
+        F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
+        for qd, kd, vd in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))
+        if qd.shape[2] > 0
     ]
     return torch.cat(outs, dim=2)
 
@@ -368,8 +393,7 @@ def causal_document_attention(
     if mask is not None and (cu_seqlens is not None or seq_bounds is not None):
         raise ValueError("attention: pass the documents once, either as mask= or as cu_seqlens=/seq_bounds=")
     if mask is None:
-        has_documents = cu_seqlens is not None or seq_bounds is not None
-        name = resolve_backend(backend, q.device, has_documents, inputs=(q, k, v))
+        name = resolve_backend(backend, q.device, _several_documents(cu_seqlens, seq_bounds), inputs=(q, k, v))
         mask = document_mask(q.shape[2], cu_seqlens=cu_seqlens, seq_bounds=seq_bounds, batch=q.shape[0],
                              device=q.device, backend=name)
     _check_mask(mask, q, backend)
@@ -388,5 +412,5 @@ def causal_document_attention(
         return _varlen(q, k, v, scale, mask.cu_seqlens, mask.max_len)
     bounds = mask.bounds
     if mask.has_documents and bounds is None:
-        bounds = _check_bounds(host_bounds(mask.cu_seqlens), mask.seq_len)
+        bounds = _check_bounds(_read_bounds(mask.cu_seqlens), mask.seq_len)
     return _torch_attention(q, k, v, scale, bounds)
