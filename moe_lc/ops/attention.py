@@ -1,0 +1,416 @@
+r"""MLA's softmax attention over packed documents in one call, with one dispatch point.
+
+Per head, for tokens i, j of one row,
+
+    o = softmax(q k^T * scale + M) v,      M[i, j] = 0 if j <= i and doc(i) == doc(j), else -inf
+
+where doc(i) is the document token i belongs to. Documents are given by their boundaries in the
+FlashAttention ``cu_seqlens`` convention (``[0, end_1, ..., T]``, one packed row, B == 1); without
+boundaries, or with one document spanning the row, every row is one document (plain causal
+attention). q and k share a head size (MLA: 128 "nope" + 64 shared key
+channels = 192), v may be narrower (MLA: 128).
+
+Backends (``backend=``):
+
+* ``"torch"``: the definition, and the CPU default. One ``scaled_dot_product_attention`` call per
+  document (a Python loop over host boundaries), or one causal call without documents.
+* ``"flex"``: ``torch.nn.attention.flex_attention`` with a block-sparse document-causal mask
+  (``create_block_mask`` over per-token document ids, built on the device). Compiled on CUDA, once
+  per input shape; on CPU it runs eager and forward only (torch has no CPU backward for it).
+* ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 over packed sequences),
+  where this torch has it: CUDA with compute capability >= 8.0, fp16/bf16, one head size of at most
+  256 for q, k and v, so a narrower v is zero-padded (zero columns of v give zero output columns,
+  sliced off; exact).
+* ``"auto"``: on CUDA the first of :data:`CUDA_ORDER_DOCUMENTS` (with documents) or
+  :data:`CUDA_ORDER_NO_DOCUMENTS` (without) that runs here and takes the inputs; ``"torch"`` on CPU.
+
+Why those orders (H200, bf16, ``benchmarks/bench_attention.py``, docs/attention_notes.md): without
+documents SDPA runs cuDNN's Hopper kernel, about twice FlashAttention-2's speed. With documents the
+per-document SDPA loop is as fast only while the document lengths repeat: cuDNN builds a plan for
+every new sequence length (about 0.1 s each), and training packs new lengths into every batch, so
+the loop took seconds per call where varlen took 27 ms (T = 64K, 24 documents). varlen was
+1.2-1.4x faster than flex at all shapes measured but one (within 3% there). Change the orders
+when a measurement says otherwise.
+
+The mask depends only on the batch's boundaries, not on the layer, so it is built once per batch
+with :func:`document_mask` and handed to every MLA layer (``mask=``); without one, each call builds
+its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moe_lc.ops.documents import upload
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+except ImportError:  # torch < 2.5
+    BlockMask = create_block_mask = flex_attention = None
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch < 2.10
+    varlen_attn = None
+
+__all__ = [
+    "BACKENDS",
+    "CUDA_ORDER_DOCUMENTS",
+    "CUDA_ORDER_NO_DOCUMENTS",
+    "DocumentMask",
+    "document_mask",
+    "causal_document_attention",
+    "backend_unavailable_reason",
+    "inputs_unsupported_reason",
+    "resolve_backend",
+]
+
+BACKENDS = ("auto", "torch", "flex", "varlen")
+# What "auto" tries on CUDA, fastest first (measured on an H200: the module docstring says why).
+CUDA_ORDER_DOCUMENTS = ("varlen", "flex", "torch")
+CUDA_ORDER_NO_DOCUMENTS = ("torch", "varlen", "flex")
+
+_FLEX_CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+_VARLEN_MAX_HEAD_DIM = 256  # FlashAttention-2's largest head size
+
+
+@dataclass(frozen=True, eq=False)
+class DocumentMask:
+    """One batch's document-causal mask, in the form one backend consumes (:func:`document_mask`).
+
+    ``bounds``: host boundaries when known (None without documents, or when only the device copy
+    was given); ``cu_seqlens``: device boundaries (for "varlen": int32, covering all B*T tokens, one
+    row per document without documents); ``max_len``: the longest document ("varlen");
+    ``block_mask``: the flex block mask ("flex").
+    """
+
+    backend: str
+    seq_len: int
+    batch: int
+    has_documents: bool
+    bounds: Optional[tuple[int, ...]] = None
+    cu_seqlens: Optional[Tensor] = None
+    max_len: Optional[int] = None
+    block_mask: Optional["BlockMask"] = None
+
+    @property
+    def device(self) -> Optional[torch.device]:
+        """Where the mask lives; None for a "torch" mask (host boundaries only)."""
+        if self.backend == "torch":
+            return None
+        if self.block_mask is not None:
+            return self.block_mask.kv_num_blocks.device
+        return None if self.cu_seqlens is None else self.cu_seqlens.device
+
+
+# ----------------------------------------------------------------------------- what runs where
+def backend_unavailable_reason(backend: str, device: torch.device) -> Optional[str]:
+    """Why ``backend`` cannot run on ``device`` with this torch build, or None when it can."""
+    device = torch.device(device)
+    if backend == "torch":
+        return None
+    if backend == "flex":
+        if flex_attention is None:
+            return f"torch {torch.__version__} has no torch.nn.attention.flex_attention (it needs torch >= 2.5)"
+        if device.type not in ("cuda", "cpu"):
+            return f"flex attention runs on CUDA and CPU here, not {device.type}"
+        return None
+    if backend == "varlen":
+        if varlen_attn is None:
+            return f"torch {torch.__version__} has no torch.nn.attention.varlen (it needs torch >= 2.10)"
+        if device.type != "cuda":
+            return f"varlen_attn runs FlashAttention kernels on CUDA only, not {device.type}"
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return "varlen_attn needs a GPU of compute capability >= 8.0 (FlashAttention-2)"
+        return None
+    raise ValueError(f"attention: unknown backend {backend!r}; choose one of {list(BACKENDS)}")
+
+
+def inputs_unsupported_reason(backend: str, q: Tensor, k: Tensor, v: Tensor) -> Optional[str]:
+    """Why ``backend`` cannot take these q, k, v (dtype, head sizes, gradients), or None."""
+    qk_dim, v_dim = q.shape[-1], v.shape[-1]
+    needs_grad = q.requires_grad or k.requires_grad or v.requires_grad
+    if backend == "flex":
+        if q.device.type == "cpu":
+            return "flex attention has no backward on CPU" if needs_grad else None
+        if q.dtype not in _FLEX_CUDA_DTYPES:
+            return f"compiled flex attention takes fp16/bf16/fp32, got {q.dtype}"
+        if min(qk_dim, v_dim) < 16:
+            return f"compiled flex attention needs head sizes >= 16, got qk {qk_dim} and v {v_dim}"
+        return None
+    if backend == "varlen":
+        if q.dtype not in _VARLEN_DTYPES:
+            return f"varlen_attn takes fp16/bf16, got {q.dtype}"
+        if _varlen_head_dim(qk_dim, v_dim) > _VARLEN_MAX_HEAD_DIM:
+            return f"varlen_attn takes head sizes up to {_VARLEN_MAX_HEAD_DIM}, got qk {qk_dim} and v {v_dim}"
+        return None
+    return None
+
+
+def _order(device: torch.device, has_documents: bool) -> tuple[str, ...]:
+    if device.type != "cuda":
+        return ("torch",)
+    return CUDA_ORDER_DOCUMENTS if has_documents else CUDA_ORDER_NO_DOCUMENTS
+
+
+def resolve_backend(backend: str, device: torch.device, has_documents: bool,
+                    inputs: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> str:
+    """The backend that runs: "auto" takes the first of its order that runs on ``device`` (and
+    takes ``inputs`` when given); an explicit backend that cannot is an error, not a fallback."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention: unknown backend {backend!r}; choose one of {list(BACKENDS)}")
+    device = torch.device(device)
+    candidates = _order(device, has_documents) if backend == "auto" else (backend,)
+    for name in candidates:
+        reason = backend_unavailable_reason(name, device)
+        if reason is None and inputs is not None:
+            reason = inputs_unsupported_reason(name, *inputs)
+        if reason is None:
+            return name
+    raise RuntimeError(f'attention: backend "{backend}" unavailable: {reason}; use backend="torch" (or "auto")')
+
+
+# ----------------------------------------------------------------------------- the mask
+def _check_bounds(bounds: Sequence[int], seq_len: int) -> tuple[int, ...]:
+    bounds = tuple(int(b) for b in bounds)
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != seq_len or any(
+        a > b for a, b in zip(bounds[:-1], bounds[1:])
+    ):
+        raise ValueError(
+            f"attention: document boundaries must rise from 0 to the sequence length {seq_len} "
+            f"(FlashAttention cu_seqlens convention), got {list(bounds)[:8]}{' ...' if len(bounds) > 8 else ''}"
+        )
+    return bounds
+
+
+def _read_bounds(cu_seqlens: Tensor) -> list[int]:
+    """The boundaries read back from the device: on CUDA this waits for all queued GPU work, so
+    callers that have the host copy pass it as ``seq_bounds`` instead."""
+    return cu_seqlens.tolist()
+
+
+def _several_documents(cu_seqlens: Optional[Tensor], seq_bounds: Optional[Sequence[int]]) -> bool:
+    """Whether the boundaries split the row: one document spanning it is plain causal attention,
+    which runs as such (no mask; SDPA's fastest kernel on CUDA). Decided from sizes, not values."""
+    if seq_bounds is not None:
+        return len(seq_bounds) > 2
+    return cu_seqlens is not None and cu_seqlens.numel() > 2
+
+
+def _document_ids(cu_seqlens: Tensor, seq_len: int) -> Tensor:
+    """[T] index of each token's document, computed on cu_seqlens' device (no host read)."""
+    positions = torch.arange(seq_len, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].to(torch.long), positions, right=True)
+
+
+def _document_causal(doc_ids: Tensor) -> Callable:
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_ids[q_idx] == doc_ids[kv_idx])
+
+    return mask_mod
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    """``torch.compile(fn)``, made once per process on first use (compiling is per input shape;
+    building the wrapper imports the compiler, seconds that every import of the model would pay)."""
+    return torch.compile(fn, dynamic=False)
+
+
+def _block_mask(mask_mod: Callable, seq_len: int, device: torch.device) -> "BlockMask":
+    # Eager create_block_mask materialises the T x T mask (GBs at 64K); compiled, it does not.
+    build = _compiled(create_block_mask) if device.type == "cuda" else create_block_mask
+    return build(mask_mod, None, None, seq_len, seq_len, device=device)
+
+
+def document_mask(
+    seq_len: int,
+    *,
+    cu_seqlens: Optional[Tensor] = None,
+    seq_bounds: Optional[Sequence[int]] = None,
+    batch: int = 1,
+    device: Optional[torch.device | str] = None,
+    backend: str = "auto",
+) -> DocumentMask:
+    """The document-causal mask of one batch for ``backend``, to pass to every attention call.
+
+    ``cu_seqlens``: device boundaries; ``seq_bounds``: the same as host ints (saves the "torch" and
+    "varlen" masks a device read; "flex" uploads them when no device copy is given). Neither: plain
+    causal over ``batch`` rows. ``device`` defaults to cu_seqlens' device, else CPU. "auto" resolves
+    by device alone (the inputs are not known yet); a call whose inputs the mask's backend cannot
+    take falls back to "torch" under "auto".
+    """
+    if device is None:
+        device = cu_seqlens.device if cu_seqlens is not None else torch.device("cpu")
+    device = torch.device(device)
+    if (cu_seqlens is not None or seq_bounds is not None) and batch != 1:
+        raise ValueError(f"attention: packed documents need batch size 1, got {batch}; pack the rows into one "
+                         "(reshape to [1, H, B * T, D]) with boundaries for every document")
+    if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2):
+        raise ValueError(f"attention: cu_seqlens must be 1-D [N+1] document boundaries (0, ..., T), got shape "
+                         f"{tuple(cu_seqlens.shape)}")
+    bounds = None if seq_bounds is None else _check_bounds(seq_bounds, seq_len)
+    has_documents = _several_documents(cu_seqlens, seq_bounds)
+    if not has_documents:
+        cu_seqlens = bounds = None
+    name = resolve_backend(backend, device, has_documents)
+    if name == "torch":
+        if has_documents and bounds is None:
+            bounds = _check_bounds(_read_bounds(cu_seqlens), seq_len)
+        return DocumentMask("torch", seq_len, batch, has_documents, bounds=bounds, cu_seqlens=cu_seqlens)
+    if has_documents and cu_seqlens is None:
+        cu_seqlens = upload(torch.tensor(bounds, dtype=torch.int32), device)
+    if has_documents:
+        cu_seqlens = cu_seqlens.to(device)
+    if name == "flex":
+        mask_mod = _document_causal(_document_ids(cu_seqlens, seq_len)) if has_documents else _causal
+        return DocumentMask("flex", seq_len, batch, has_documents, bounds=bounds, cu_seqlens=cu_seqlens,
+                            block_mask=_block_mask(mask_mod, seq_len, device))
+    if has_documents:
+        if bounds is None:
+            bounds = _check_bounds(_read_bounds(cu_seqlens), seq_len)
+        cu32, max_len = cu_seqlens.to(torch.int32), max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    else:
+        cu32 = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=device)
+        max_len = seq_len
+    return DocumentMask("varlen", seq_len, batch, has_documents, bounds=bounds, cu_seqlens=cu32, max_len=max_len)
+
+
+# ----------------------------------------------------------------------------- the backends
+def _torch_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bounds: Optional[tuple[int, ...]]) -> Tensor:
+    """The definition: one causal SDPA call per document, or one for the whole row."""
+    v_dim = v.shape[-1]
+    if q.device.type == "cpu" and v_dim < q.shape[-1]:
+        # CPU SDPA has a fast (flash) kernel only for equal q/k and v head sizes; zero columns
+        # of v give zero output columns, so padding and slicing back is exact.
+        return _torch_attention(q, k, F.pad(v, (0, q.shape[-1] - v_dim)), scale, bounds)[..., :v_dim]
+    if bounds is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    # split, not one slice per document: its backward writes the gradient pieces into one tensor,
+    # where every slice's backward would fill a whole-row tensor of zeros.
+    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    outs = [
+        F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
+        for qd, kd, vd in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))
+        if qd.shape[2] > 0
+    ]
+    return torch.cat(outs, dim=2)
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, scale: float, block_mask: "BlockMask") -> Tensor:
+    attend = _compiled(flex_attention) if q.is_cuda else flex_attention
+    return attend(q, k, v, block_mask=block_mask, scale=scale)
+
+
+def _varlen_head_dim(qk_dim: int, v_dim: int) -> int:
+    """The one head size varlen_attn runs at: the larger of q/k's and v's, rounded up to 8."""
+    return -(-max(qk_dim, v_dim) // 8) * 8
+
+
+@functools.cache
+def _varlen_options() -> tuple[bool, bool]:
+    """(takes window_size, takes scale): its first release asked for is_causal and took no scale."""
+    params = inspect.signature(varlen_attn).parameters
+    return "window_size" in params, "scale" in params
+
+
+def _varlen(q: Tensor, k: Tensor, v: Tensor, scale: float, cu_seqlens: Tensor, max_len: int) -> Tensor:
+    B, H, T, qk_dim = q.shape
+    v_dim = v.shape[-1]
+    dim = _varlen_head_dim(qk_dim, v_dim)
+    windowed, scaled = _varlen_options()
+    if not scaled:  # the kernel's own scale is dim ** -0.5
+        q = q * (scale * dim**0.5)
+
+    def packed(x: Tensor) -> Tensor:  # [B, H, T, D] -> [B*T, H, dim]; a view for MLA's layout
+        x = x.transpose(1, 2)
+        return (F.pad(x, (0, dim - x.shape[-1])) if x.shape[-1] < dim else x).reshape(B * T, H, dim)
+
+    options = {"window_size": (-1, 0)} if windowed else {"is_causal": True}
+    if scaled:
+        options["scale"] = scale
+    out = varlen_attn(packed(q), packed(k), packed(v), cu_seqlens, cu_seqlens, max_len, max_len, **options)
+    return out[..., :v_dim].reshape(B, T, H, v_dim).transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------- the op
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(f"attention: q and k must be [B, H, T, Dqk] of one shape, got {tuple(q.shape)} and "
+                         f"{tuple(k.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"attention: v must be [B, H, T, Dv] = {list(q.shape[:3]) + ['Dv']}, got {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError(f"attention: q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on "
+                         f"{q.device}/{k.device}/{v.device}; cast them to one")
+    if q.shape[2] == 0:
+        raise ValueError("attention: sequences must have at least one token (T = 0)")
+
+
+def _check_mask(mask: DocumentMask, q: Tensor, backend: str) -> None:
+    B, _, T, _ = q.shape
+    if mask.seq_len != T or mask.batch != B:
+        raise ValueError(f"attention: the mask was built for batch {mask.batch} x length {mask.seq_len}, the inputs "
+                         f"are {B} x {T}; build it with document_mask({T}, batch={B}, ...)")
+    if mask.device is not None and mask.device != q.device:
+        raise ValueError(f"attention: the mask is on {mask.device}, the inputs on {q.device}; build it with "
+                         f"device={q.device}")
+    if backend not in ("auto", mask.backend):
+        raise ValueError(f'attention: the mask was built for backend "{mask.backend}", the call asks for "{backend}"; '
+                         f'build it with backend="{backend}" or call with backend="{mask.backend}" (or "auto")')
+
+
+def causal_document_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    *,
+    cu_seqlens: Optional[Tensor] = None,
+    seq_bounds: Optional[Sequence[int]] = None,
+    backend: str = "auto",
+    mask: Optional[DocumentMask] = None,
+) -> Tensor:
+    """Causal softmax attention that never crosses a document boundary; differentiable in q, k, v.
+
+    q, k: [B, H, T, Dqk]; v: [B, H, T, Dv]; returns [B, H, T, Dv] in q's dtype. Documents come
+    from ``mask`` (:func:`document_mask`, built once per batch) or from ``cu_seqlens`` (device) /
+    ``seq_bounds`` (the same as host ints), which need B == 1; none of them: causal over each row.
+    """
+    _check_inputs(q, k, v)
+    if mask is not None and (cu_seqlens is not None or seq_bounds is not None):
+        raise ValueError("attention: pass the documents once, either as mask= or as cu_seqlens=/seq_bounds=")
+    if mask is None:
+        name = resolve_backend(backend, q.device, _several_documents(cu_seqlens, seq_bounds), inputs=(q, k, v))
+        mask = document_mask(q.shape[2], cu_seqlens=cu_seqlens, seq_bounds=seq_bounds, batch=q.shape[0],
+                             device=q.device, backend=name)
+    _check_mask(mask, q, backend)
+    name = mask.backend
+    reason = inputs_unsupported_reason(name, q, k, v)
+    if reason is not None:
+        if backend != "auto":
+            raise RuntimeError(f'attention: backend "{name}" cannot take these inputs: {reason}; use backend="torch" '
+                               '(or "auto")')
+        warnings.warn(f'attention: the mask was built for "{name}", which cannot take these inputs ({reason}); '
+                      'running the per-document "torch" loop instead', stacklevel=2)
+        name = "torch"
+    if name == "flex":
+        return _flex(q, k, v, scale, mask.block_mask)
+    if name == "varlen":
+        return _varlen(q, k, v, scale, mask.cu_seqlens, mask.max_len)
+    bounds = mask.bounds
+    if mask.has_documents and bounds is None:
+        bounds = _check_bounds(_read_bounds(mask.cu_seqlens), mask.seq_len)
+    return _torch_attention(q, k, v, scale, bounds)

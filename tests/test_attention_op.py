@@ -1,0 +1,231 @@
+"""The document-causal attention op (moe_lc.ops.attention) against a float64 reference written from
+the formula: softmax(q k^T * scale + M) v with M = 0 where the key is not after the query and in
+its document, -inf elsewhere; gradients of q, k, v from autograd through that formula.
+
+Every backend that runs here is tested: on CPU "torch" (forward and gradients) and "flex" (eager,
+forward only: torch has no CPU backward for flex attention); on CUDA all three, "varlen" in bf16.
+Rows of 300 tokens span three of flex's 128-token blocks, so documents start inside blocks, fill
+whole blocks and end on block edges.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_lc.ops.attention as attention
+from moe_lc.ops.attention import (
+    CUDA_ORDER_DOCUMENTS,
+    causal_document_attention,
+    document_mask,
+    inputs_unsupported_reason,
+    resolve_backend,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+F64 = torch.float64
+# Relative (Frobenius) error allowed against float64: fp32 ~100x its unit roundoff (6e-8) for sums
+# over 300 keys; bf16 ~5x its unit roundoff (3.9e-3), as the fused kernels round the
+# probabilities to bf16 before multiplying by v.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE.type == "cuda" else [torch.float32]
+BACKENDS = ["torch", "flex", "varlen"]
+T = 300
+CASES = {
+    "one-token documents": [1, 130, 1, 1, 40, 127],
+    "empty document": [7, 0, 293],
+    "documents on block edges": [128, 128, 44],
+    "single document": [T],
+    "no documents": None,
+}
+pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
+
+
+def bounds_of(lens: list[int]) -> list[int]:
+    return [0] + torch.tensor(lens).cumsum(0).tolist()
+
+
+def reference(q, k, v, scale: float, lens) -> torch.Tensor:
+    """softmax(q k^T * scale + M) v in float64, M from the document of every token."""
+    seq_len = q.shape[2]
+    doc = torch.zeros(seq_len, dtype=torch.long) if lens is None else torch.repeat_interleave(
+        torch.arange(len(lens)), torch.tensor(lens))
+    i = torch.arange(seq_len)
+    allowed = (i[None, :] <= i[:, None]) & (doc[:, None] == doc[None, :])
+    scores = (q.double().cpu() @ k.double().cpu().transpose(-1, -2)) * scale
+    return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v.double().cpu()
+
+
+def inputs(dtype, batch=1, heads=2, qk_dim=24, v_dim=16, seq_len=T, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(batch, heads, seq_len, qk_dim, generator=gen) for _ in range(2))
+    v, dout = (torch.randn(batch, heads, seq_len, v_dim, generator=gen) for _ in range(2))
+    return [t.to(DEVICE, dtype) for t in (q, k, v, dout)]
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "non-finite values"
+    ref = ref.double().cpu()
+    return ((out.double().cpu() - ref).norm() / ref.norm()).item()
+
+
+def skip_unless_runs(backend: str, q, k, v) -> None:
+    reason = attention.backend_unavailable_reason(backend, DEVICE) or inputs_unsupported_reason(backend, q, k, v)
+    if reason is not None:
+        pytest.skip(f"{backend}: {reason}")
+
+
+def documents(lens):
+    if lens is None:
+        return {}
+    return {"cu_seqlens": torch.tensor(bounds_of(lens), dtype=torch.int32, device=DEVICE)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_matches_float64_reference(backend, case, dtype):
+    q, k, v, _ = inputs(dtype, batch=2 if CASES[case] is None else 1)
+    skip_unless_runs(backend, q, k, v)
+    out = causal_document_attention(q, k, v, 0.3, backend=backend, **documents(CASES[case]))
+    assert out.shape == v.shape and out.dtype == dtype
+    assert rel(out, reference(q, k, v, 0.3, CASES[case])) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_match_float64_reference(backend, case, dtype):
+    q, k, v, dout = inputs(dtype, batch=2 if CASES[case] is None else 1)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    skip_unless_runs(backend, q, k, v)
+    out = causal_document_attention(q, k, v, 0.3, backend=backend, **documents(CASES[case]))
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    leaves = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
+    ref = reference(*leaves, 0.3, CASES[case])
+    ref_grads = torch.autograd.grad(ref, leaves, dout.double().cpu())
+    errors = {name: rel(g, r) for name, g, r in zip("qkv", grads, ref_grads)}
+    assert all(e < TOLERANCE[dtype] for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mla_head_sizes(backend):
+    """MLA's head sizes (q/k 192 = 128 + 64 shared, v 128) are accepted, with gradients where the
+    backend has a backward here."""
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    lens = [50, 1, 79]
+    q, k, v, dout = inputs(dtype, qk_dim=192, v_dim=128, seq_len=sum(lens))
+    skip_unless_runs(backend, q, k, v)
+    with_grad = inputs_unsupported_reason(backend, q.requires_grad_(), k, v) is None
+    q.requires_grad_(with_grad)
+    out = causal_document_attention(q, k, v, 192**-0.5, backend=backend, **documents(lens))
+    assert rel(out, reference(q.detach(), k, v, 192**-0.5, lens)) < TOLERANCE[dtype]
+    if with_grad:
+        (dq,) = torch.autograd.grad(out, q, dout)
+        leaf = q.detach().double().cpu().requires_grad_()
+        (ref_dq,) = torch.autograd.grad(reference(leaf, k, v, 192**-0.5, lens), leaf, dout.double().cpu())
+        assert rel(dq, ref_dq) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mask_is_built_once_for_several_calls(backend, monkeypatch):
+    """One document_mask per batch serves every layer: later calls build nothing and read nothing
+    back from the device; without a mask every call builds its own."""
+    q, k, v, _ = inputs(DTYPES[-1])
+    skip_unless_runs(backend, q, k, v)
+    lens = CASES["one-token documents"]
+    builds, reads = [], []
+    block_mask, read_bounds = attention._block_mask, attention._read_bounds
+    monkeypatch.setattr(attention, "_block_mask", lambda *a, **kw: builds.append(1) or block_mask(*a, **kw))
+    monkeypatch.setattr(attention, "_read_bounds", lambda cu: reads.append(1) or read_bounds(cu))
+
+    mask = document_mask(T, device=DEVICE, backend=backend, **documents(lens))
+    built, read = len(builds), len(reads)
+    ref = reference(q, k, v, 0.3, lens)
+    for _ in range(3):
+        assert rel(causal_document_attention(q, k, v, 0.3, mask=mask), ref) < TOLERANCE[q.dtype]
+    assert (len(builds), len(reads)) == (built, read)
+    assert built + read >= 1  # the mask needed a block mask or the host boundaries once
+
+    causal_document_attention(q, k, v, 0.3, backend=backend, **documents(lens))
+    assert len(builds) + len(reads) > built + read
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_host_bounds_need_no_device_read(backend, monkeypatch):
+    """seq_bounds (the host copy the trainer has) replaces the device read of cu_seqlens."""
+    q, k, v, _ = inputs(DTYPES[-1])
+    skip_unless_runs(backend, q, k, v)
+    monkeypatch.setattr(attention, "_read_bounds", lambda cu: pytest.fail("cu_seqlens was read back"))
+    lens = CASES["one-token documents"]
+    out = causal_document_attention(q, k, v, 0.3, backend=backend, seq_bounds=bounds_of(lens), **documents(lens))
+    assert rel(out, reference(q, k, v, 0.3, lens)) < TOLERANCE[q.dtype]
+
+
+@pytest.mark.parametrize("given", ["cu_seqlens", "seq_bounds"])
+def test_one_document_spanning_the_row_is_plain_causal(given, monkeypatch):
+    """[0, T] needs no mask and no host read: auto takes the no-documents order (SDPA on CUDA)."""
+    monkeypatch.setattr(attention, "_read_bounds", lambda cu: pytest.fail("cu_seqlens was read back"))
+    documents = {"cu_seqlens": torch.tensor([0, T], dtype=torch.int32, device=DEVICE), "seq_bounds": [0, T]}
+    mask = document_mask(T, device=DEVICE, **{given: documents[given]})
+    assert not mask.has_documents and mask.backend == resolve_backend("auto", DEVICE, has_documents=False)
+    q, k, v, _ = inputs(DTYPES[-1])
+    assert rel(causal_document_attention(q, k, v, 0.3, mask=mask), reference(q, k, v, 0.3, [T])) < TOLERANCE[q.dtype]
+
+
+def test_auto_is_torch_on_cpu():
+    assert resolve_backend("auto", torch.device("cpu"), has_documents=True) == "torch"
+    assert resolve_backend("auto", torch.device("cpu"), has_documents=False) == "torch"
+    assert document_mask(T, seq_bounds=bounds_of([T])).backend == "torch"
+
+
+def test_auto_follows_the_cuda_order(monkeypatch):
+    """On CUDA, auto takes the first backend of its order that runs here and takes the inputs."""
+    cuda = torch.device("cuda")
+    unavailable = set()
+    monkeypatch.setattr(attention, "backend_unavailable_reason",
+                        lambda name, device: "off in this test" if name in unavailable else None)
+    assert resolve_backend("auto", cuda, has_documents=True) == CUDA_ORDER_DOCUMENTS[0]
+    unavailable.add(CUDA_ORDER_DOCUMENTS[0])
+    assert resolve_backend("auto", cuda, has_documents=True) == CUDA_ORDER_DOCUMENTS[1]
+    unavailable.clear()
+    fp32 = torch.zeros(1, 1, 4, 16)  # varlen takes fp16/bf16 only
+    expected = next(name for name in CUDA_ORDER_DOCUMENTS if inputs_unsupported_reason(name, fp32, fp32, fp32) is None)
+    assert resolve_backend("auto", cuda, True, inputs=(fp32, fp32, fp32)) == expected
+
+
+def test_auto_with_a_mask_the_inputs_do_not_fit_runs_torch():
+    """Under auto, inputs the mask's backend cannot take run the reference loop, with a warning."""
+    q, k, v, dout = inputs(torch.float32)
+    fake = attention.DocumentMask("varlen", T, 1, True, bounds=tuple(bounds_of([100, 200])))
+    with pytest.warns(UserWarning, match="cannot take these inputs"):
+        out = causal_document_attention(q, k, v, 0.3, mask=fake)
+    assert rel(out, reference(q, k, v, 0.3, [100, 200])) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda q, k, v: causal_document_attention(q, k, v, 0.3, seq_bounds=[0, 5, T - 1]), "rise from 0"),
+    (lambda q, k, v: causal_document_attention(q, k[..., :8], v, 0.3), "one shape"),
+    (lambda q, k, v: causal_document_attention(q, k, v[:, :, :5], 0.3), "v must be"),
+    (lambda q, k, v: causal_document_attention(q, k, v, 0.3, backend="cudnn"), "unknown backend"),
+    (lambda q, k, v: causal_document_attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1),
+                                               v.expand(2, -1, -1, -1), 0.3, seq_bounds=[0, T]), "batch size 1"),
+    (lambda q, k, v: causal_document_attention(q, k, v, 0.3, seq_bounds=[0, T],
+                                               mask=document_mask(T, seq_bounds=[0, T])), "documents once"),
+    (lambda q, k, v: causal_document_attention(q, k, v, 0.3, mask=document_mask(T + 1)), "built for batch"),
+    (lambda q, k, v: causal_document_attention(q, k, v, 0.3, backend="flex", mask=document_mask(T)),
+     'built for backend "torch"'),
+])
+def test_bad_input_says_what_to_fix(call, message):
+    q, k, v, _ = inputs(torch.float32)
+    with pytest.raises(ValueError, match=message):
+        call(q, k, v)
+
+
+def test_unavailable_backend_is_an_error_not_a_fallback():
+    q, k, v, _ = (t.cpu() for t in inputs(torch.float32))
+    with pytest.raises(RuntimeError, match='"varlen" unavailable'):
+        causal_document_attention(q, k, v, 0.3, backend="varlen")
+    q.requires_grad_()
+    with pytest.raises(RuntimeError, match="no backward on CPU"):
+        causal_document_attention(q, k, v, 0.3, backend="flex")
