@@ -13,7 +13,7 @@ from moe_lc.config import ConfigError, ModelConfig
 from moe_lc.model.attn_res import DepthMixer, ResidualStream
 from moe_lc.model.ffn import situ_glu, swiglu
 from moe_lc.model.init import build_model
-from moe_lc.model.mla import causal_document_attention
+from moe_lc.ops.attention import causal_document_attention
 from moe_lc.model.short_conv import causal_depthwise_conv
 from moe_lc.model.transformer import IGNORE_INDEX
 from moe_lc.ops.documents import DocumentBounds
@@ -100,7 +100,7 @@ def test_causal_document_attention_matches_masked_softmax():
     q, k = (torch.randn(1, 2, 23, 8, generator=g, dtype=torch.float64) for _ in range(2))
     v = torch.randn(1, 2, 23, 6, generator=g, dtype=torch.float64)  # v narrower than q/k, as in MLA
     cu = torch.tensor([0, 5, 6, 17, 23])
-    out = causal_document_attention(q, k, v, 0.3, DocumentBounds.of(cu))
+    out = causal_document_attention(q, k, v, 0.3, mask=DocumentBounds.of(cu).attention_mask)
     doc = torch.searchsorted(cu[1:], torch.arange(23), right=True)
     t = torch.arange(23)
     allowed = (doc[:, None] == doc[None, :]) & (t[None, :] <= t[:, None])

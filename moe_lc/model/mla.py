@@ -13,37 +13,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_lc.config import MLAConfig
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.precision import upcast
+from moe_lc.ops.attention import causal_document_attention
 from moe_lc.ops.documents import DocumentBounds
-
-
-def causal_document_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, docs: Optional[DocumentBounds]
-) -> torch.Tensor:
-    """Causal softmax attention that never crosses a document boundary. q,k,v: [B, H, T, D].
-
-    One attention call per document of ``docs``, cut with its host boundaries (no device read)."""
-    v_dim = v.shape[-1]
-    if q.device.type == "cpu" and v_dim < q.shape[-1]:
-        # CPU SDPA has a fast (flash) kernel only for equal q/k and v head sizes; zero columns
-        # of v give zero output columns, so padding and slicing back is exact.
-        v = F.pad(v, (0, q.shape[-1] - v_dim))
-        return causal_document_attention(q, k, v, scale, docs)[..., :v_dim]
-    if docs is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    if q.shape[0] != 1:
-        raise ValueError(f"packed documents (docs) need batch size 1, got {q.shape[0]}")
-    bounds = docs.host
-    outs = [
-        F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=scale)
-        for s, e in zip(bounds[:-1], bounds[1:])
-    ]
-    return torch.cat(outs, dim=2)
 
 
 class GatedMLA(nn.Module):
@@ -78,8 +54,10 @@ class GatedMLA(nn.Module):
             k = torch.cat([k_nope, k_sh], dim=-1)
         else:
             k = k_nope
+        # one call for all documents; the mask is built once per batch and shared by the MLA layers
         o = causal_document_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale, docs
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale,
+            mask=docs.attention_mask if docs is not None else None,
         ).transpose(1, 2)  # [B, T, H, v_dim]
         if c.fp32_output:
             o = upcast(o)

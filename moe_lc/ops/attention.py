@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe_lc.ops.documents import upload
+from moe_lc_kernels.transfer import upload
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention

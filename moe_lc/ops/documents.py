@@ -3,6 +3,7 @@ for the GPU (:func:`upload`)."""
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass
 from typing import Sequence
@@ -10,6 +11,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from moe_lc.ops.attention import DocumentMask, document_mask
 from moe_lc_kernels.transfer import upload
 
 __all__ = ["DocumentBounds", "as_document_bounds", "upload"]
@@ -86,6 +88,13 @@ class DocumentBounds:
     def max_len(self) -> int:
         """Tokens in the longest document."""
         return max(self.lengths)
+
+    @functools.cached_property
+    def attention_mask(self) -> DocumentMask:
+        """The batch's document-causal attention mask (:func:`moe_lc.ops.attention.document_mask`), built
+        on first use and then shared by every attention layer of the forward and backward."""
+        return document_mask(self.total, cu_seqlens=self.cu_seqlens, seq_bounds=self.host,
+                             device=self.cu_seqlens.device)
 
 
 def as_document_bounds(docs: DocumentBounds | Tensor | None) -> DocumentBounds | None:
