@@ -241,8 +241,8 @@ class KDABackend(Protocol):
 
 
 _BACKENDS: dict[str, tuple[KDABackend, Callable[[Tensor], bool]]] = {}
-# Names reserved for kernels that are planned but not shipped yet, and the order "auto" tries.
-_PLANNED_BACKENDS = ("triton", "fla")
+# Backends registered below only when their package imports (triton: moe_lc_kernels; fla: fla-core).
+_OPTIONAL_BACKENDS = {"triton": "triton", "fla": "fla-core"}
 # Triton first: measured on one H200 (docs/performance.md §3, same run), the Triton kernels
 # beat fla 0.6.0 forward+backward at every benchmark shape: 1.02x at B=8,T=4K and at B=2,T=8K,H=64,
 # 1.03x at B=2,T=16K, 1.10x on 24 packed documents, 1.25x / 1.30x at B=1,T=64K / 256K. Inputs the
@@ -282,10 +282,10 @@ def _resolve_backend(name: str, q: Tensor) -> KDABackend:
                 f'CUDA and its package installed); use backend="torch" (or "auto")'
             )
         return fn
-    if name in _PLANNED_BACKENDS:
+    if name in _OPTIONAL_BACKENDS:
         raise NotImplementedError(
-            f'chunk_kda: backend "{name}" is not available yet; use backend="torch" (or "auto"), '
-            f"or register a kernel with moe_lc.ops.kda.register_kda_backend({name!r}, fn)"
+            f'chunk_kda: backend "{name}" is not installed here (pip install {_OPTIONAL_BACKENDS[name]}); '
+            'use backend="torch" (or "auto")'
         )
     raise ValueError(f'chunk_kda: unknown backend "{name}"; choose one of {["auto", *_BACKENDS]}')
 
