@@ -24,7 +24,7 @@ Backends (``backend=``):
 * ``"auto"``: on CUDA the first of :data:`CUDA_ORDER_DOCUMENTS` (with documents) or
   :data:`CUDA_ORDER_NO_DOCUMENTS` (without) that runs here and takes the inputs; ``"torch"`` on CPU.
 
-Why those orders (H200, bf16, ``benchmarks/bench_attention.py``, docs/attention_notes.md): without
+Why those orders (H200, bf16, ``benchmarks/bench_attention.py``, docs/performance.md §11): without
 documents SDPA runs cuDNN's Hopper kernel, about twice FlashAttention-2's speed. With documents the
 per-document SDPA loop is as fast only while the document lengths repeat: cuDNN builds a plan for
 every new sequence length (about 0.1 s each), and training packs new lengths into every batch, so
