@@ -52,8 +52,9 @@ def kda_inputs(layout: str, seed: int = 0):
     q = F.normalize(torch.randn(shape, dtype=F64, generator=gen), dim=-1)
     k = F.normalize(torch.randn(shape, dtype=F64, generator=gen), dim=-1)
     v = torch.randn(1, SEQ_LEN, HEADS, VALUE_DIM, dtype=F64, generator=gen)
+    # slow decays (about -0.1 per step), so that states carry across several chunks
     g = kda_gate(torch.randn(shape, dtype=F64, generator=gen), 0.5 * torch.randn(HEADS, dtype=F64, generator=gen),
-                 torch.randn(HEADS * KEY_DIM, dtype=F64, generator=gen))
+                 torch.randn(HEADS * KEY_DIM, dtype=F64, generator=gen) - 5)
     beta = torch.sigmoid(torch.randn(1, SEQ_LEN, HEADS, dtype=F64, generator=gen))
     num_docs = len(LAYOUTS[layout]) - 1
     state = torch.randn(num_docs, HEADS, KEY_DIM, VALUE_DIM, dtype=F64, generator=gen)
