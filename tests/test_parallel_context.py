@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 from host_reads import forbid_host_reads, guarded
 from parallel_harness import run_distributed
@@ -24,6 +25,7 @@ from moe_lc.model.kda import KDAttention
 from moe_lc.ops.documents import DocumentBounds
 from moe_lc.ops.kda import chunk_kda, kda_gate, recurrent_kda
 from moe_lc.ops.short_conv import short_conv
+from moe_lc.parallel.layout import MESH_DIMS
 from moe_lc.parallel.context import ContextShard, shard_documents, shard_row, unshard_row
 
 F64 = torch.float64
@@ -123,6 +125,11 @@ def _rank_runs() -> dict:
         results["layer", layout] = layer_run(docs[layout], local)
     x = torch.arange(SEQ_LEN * 3, dtype=F64).view(1, SEQ_LEN, 3)
     results["unshard"] = unshard_row(shard_row(x, context), context)
+    if context.size == 4:  # cp groups of 2 inside a (dp_shard = 2) x (cp = 2) mesh: group ranks are not global ranks
+        mesh = init_device_mesh("cpu", (1, 1, 2, 2, 1), mesh_dim_names=MESH_DIMS)
+        sub = ContextShard.from_mesh(mesh, SEQ_LEN)
+        sharded = shard_documents(DocumentBounds.from_host(LAYOUTS["crossing"], "cpu"), sub)
+        results["mesh"] = sub.rank, layer_run(sharded, lambda t: shard_row(t, sub))
     return results
 
 
@@ -167,6 +174,16 @@ def test_kda_layer_matches_one_process(ranks, layout):
     reference = layer_run(DocumentBounds.from_host(LAYOUTS[layout], "cpu"), lambda t: t)
     params = set(reference[1]) - {"x"}
     assert_matches(cp, [r["layer", layout] for r in results], reference, params)
+
+
+def test_cp_groups_of_a_mesh_match_one_process(ranks):
+    cp, results = ranks
+    if cp != 4:
+        pytest.skip("the mesh case runs in the four-rank spawn")
+    reference = layer_run(DocumentBounds.from_host(LAYOUTS["crossing"], "cpu"), lambda t: t)
+    for group in (results[:2], results[2:]):  # dp_shard rows of the mesh: global ranks {0, 1} and {2, 3}
+        assert [r["mesh"][0] for r in group] == [0, 1]
+        assert_matches(2, [r["mesh"][1] for r in group], reference, set(reference[1]) - {"x"})
 
 
 def test_unshard_row_restores_the_row(ranks):

@@ -32,8 +32,9 @@ __all__ = ["context_short_conv", "exchange_halos"]
 
 
 def _lending(context: ContextShard):
-    """(lender slot, borrower peer) and (borrower slot, lender peer) pairs of this rank, plus its
-    own lent-to-itself pairs: chunk j - 1's tail becomes chunk j's halo, for every chunk j > 0."""
+    """This rank's part in the exchange, where chunk j - 1's tail becomes chunk j's halo for every
+    chunk j > 0: sends (tail slot, borrowing rank), receives (halo slot, lending rank) and the
+    pairs it lends itself (tail slot, halo slot)."""
     sends, receives, local = [], [], []
     for chunk in range(1, context.num_chunks):
         (lender, lent_slot), (borrower, halo_slot) = context.holder(chunk - 1), context.holder(chunk)

@@ -95,46 +95,54 @@ def context_parallel_kda(run: LocalKDA, v: Tensor, key_dim: int, initial_state: 
                          view: DocumentShard) -> Tensor:
     """The outputs ``[1, T/cp, H, V]`` of KCP (steps 1-4 of the module docstring) for any KDA
     implementation ``run``; ``v`` is this rank's values, ``initial_state`` None or [N, H, K, V]."""
-    context = view.context
     dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
-    heads, value_dim = v.shape[2], v.shape[3]
-    state_zeros = v.new_zeros(heads, key_dim, value_dim, dtype=dtype)
-    carried = [j for j, chunk in enumerate(view.chunks) if not chunk.ends_document]
-    with_transition = any(view.chunks[j].tail_from_previous for j in carried)
-    ends: dict[int, Tensor] = {}
-    gathered = None
-    if carried:
-        local = torch.stack([_tail_state(run, v, key_dim, initial_state, view, slot, with_transition, dtype)
-                             for slot in (0, 1)])
-        if torch.is_grad_enabled() and not local.requires_grad:
-            local.requires_grad_()  # only zeros here (no chunk of this rank is needed), but the backward's
-            # reduce-scatter must run on every rank: it returns the other ranks' gradients to them
-        gathered = gather_sequence(local, 0, context.group)  # [2 cp, H, K, V (+ K)], rank-major
-        last_needed = max(context.chunks)
-        for j in carried:
-            if j >= last_needed:
-                break
-            rank, slot = context.holder(j)
-            entry = gathered[2 * rank + slot]
-            state = entry[..., :value_dim]
-            if view.chunks[j].tail_from_previous:
-                state = entry[..., value_dim:] @ ends[j - 1] + state
-            ends[j] = state
-    starts = []
-    for piece in view.pieces:
-        if piece.from_previous:
-            starts.append(ends[piece.chunk - 1])
-        elif initial_state is not None:
-            starts.append(initial_state[piece.doc].to(dtype))
-        else:
-            starts.append(state_zeros)
-    starts = torch.stack(starts)
-    if gathered is not None:
-        starts = _DependOn.apply(starts, gathered)  # so that every rank's backward reaches the all-gather's
-    elif initial_state is None:
-        starts = None  # every piece starts from zero
-    out, _ = run(slice(None), v, starts, False, view.local)
+    gathered = _share_tail_states(run, v, key_dim, initial_state, view, dtype)  # steps 1 and 2
+    if gathered is None and initial_state is None:
+        starts = None  # no document crosses a chunk edge and none has a given start: all start from zero
+    else:
+        ends = {} if gathered is None else _scan(gathered, view, v.shape[3])  # step 3
+        zero = v.new_zeros(v.shape[2], key_dim, v.shape[3], dtype=dtype)
+        starts = torch.stack([ends[p.chunk - 1] if p.from_previous
+                              else initial_state[p.doc].to(dtype) if initial_state is not None
+                              else zero for p in view.pieces])
+        if gathered is not None:
+            starts = _DependOn.apply(starts, gathered)  # so that every rank's backward reaches the all-gather's
+    out, _ = run(slice(None), v, starts, False, view.local)  # step 4
     return out
+
+
+def _share_tail_states(run: LocalKDA, v: Tensor, key_dim: int, initial_state: Optional[Tensor], view: DocumentShard,
+                       dtype: torch.dtype) -> Optional[Tensor]:
+    """Every chunk's tail state(s) ``[2 cp, H, K, V (+ K)]`` in rank-major order, all-gathered;
+    None (and nothing sent) when no document crosses a chunk edge."""
+    carried = [chunk for chunk in view.chunks if not chunk.ends_document]
+    if not carried:
+        return None
+    with_transition = any(chunk.tail_from_previous for chunk in carried)
+    local = torch.stack([_tail_state(run, v, key_dim, initial_state, view, slot, with_transition, dtype)
+                         for slot in (0, 1)])
+    if torch.is_grad_enabled() and not local.requires_grad:
+        local.requires_grad_()  # only zeros here (no chunk of this rank is needed), but the backward's
+        # reduce-scatter must run on every rank: it returns the other ranks' gradients to them
+    return gather_sequence(local, 0, view.context.group)
+
+
+def _scan(gathered: Tensor, view: DocumentShard, value_dim: int) -> dict[int, Tensor]:
+    """End state E_j of the document open at the end of chunk j, for the chunks before this
+    rank's last one: E_j = M_j E_{j-1} + S~_j where chunk j is one piece of a document started
+    earlier, else the E_j that chunk j's rank sent."""
+    context = view.context
+    ends: dict[int, Tensor] = {}
+    for j in range(max(context.chunks)):
+        if view.chunks[j].ends_document:
+            continue
+        rank, slot = context.holder(j)
+        entry = gathered[2 * rank + slot]
+        state = entry[..., :value_dim]
+        if view.chunks[j].tail_from_previous:
+            state = entry[..., value_dim:] @ ends[j - 1] + state
+        ends[j] = state
+    return ends
 
 
 class _DependOn(torch.autograd.Function):
