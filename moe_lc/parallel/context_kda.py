@@ -65,7 +65,9 @@ class LocalKDA(Protocol):
                  docs: Optional[DocumentBounds]) -> tuple[Tensor, Optional[Tensor]]: ...
 
 
-def context_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, docs, gate_lower_bound, backend):
+def context_chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                      initial_state: Optional[Tensor], output_final_state: bool, docs: DocumentBounds,
+                      gate_lower_bound: Optional[float], backend: str) -> tuple[Tensor, None]:
     """:func:`moe_lc.ops.kda.chunk_kda` of this rank's local row (``docs.shard`` set); same arguments."""
     _check("chunk_kda", q, v, initial_state, output_final_state, docs)
 
@@ -77,8 +79,10 @@ def context_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state
     return context_parallel_kda(run, v, q.shape[-1], initial_state, docs.shard), None
 
 
-def context_kda_from_projections(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state,
-                                 output_final_state, docs, backend):
+def context_kda_from_projections(q: Tensor, k: Tensor, v: Tensor, z: Tensor, beta_logits: Tensor, A_log: Tensor,
+                                 dt_bias: Optional[Tensor], lower_bound: Optional[float], scale: float,
+                                 initial_state: Optional[Tensor], output_final_state: bool, docs: DocumentBounds,
+                                 backend: str) -> tuple[Tensor, None]:
     """:func:`moe_lc.ops.kda_projections.chunk_kda_from_projections` of this rank's local row
     (``docs.shard`` set); same arguments. Every pass runs on the fused backend the op would pick."""
     _check("chunk_kda_from_projections", q, v, initial_state, output_final_state, docs)
@@ -145,21 +149,6 @@ def _scan(gathered: Tensor, view: DocumentShard, value_dim: int) -> dict[int, Te
     return ends
 
 
-class _DependOn(torch.autograd.Function):
-    """``x``, made to depend on ``other``: backward hands ``other`` a zero gradient, so that a rank
-    whose outputs do not use the gathered states still takes part in the collective of their
-    backward (a collective that only some ranks enter hangs)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, other: Tensor) -> Tensor:
-        ctx.other_shape, ctx.other_dtype = other.shape, other.dtype
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad, grad.new_zeros(ctx.other_shape, dtype=ctx.other_dtype)
-
-
 def _tail_state(run: LocalKDA, v: Tensor, key_dim: int, initial_state: Optional[Tensor], view: DocumentShard,
                 slot: int, with_transition: bool, dtype: torch.dtype) -> Tensor:
     """What this rank sends for its chunk ``slot``: [H, K, V] end state E, or S~ (from zero) with
@@ -184,6 +173,21 @@ def _tail_state(run: LocalKDA, v: Tensor, key_dim: int, initial_state: Optional[
     if with_transition:
         end = torch.cat([end, end.new_zeros(heads, key_dim, key_dim)], dim=-1)
     return end
+
+
+class _DependOn(torch.autograd.Function):
+    """``x``, made to depend on ``other``: backward hands ``other`` a zero gradient, so that a rank
+    whose outputs do not use the gathered states still takes part in the collective of their
+    backward (a collective that only some ranks enter hangs)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, other: Tensor) -> Tensor:
+        ctx.other_shape, ctx.other_dtype = other.shape, other.dtype
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, grad.new_zeros(ctx.other_shape, dtype=ctx.other_dtype)
 
 
 def _check(name: str, q: Tensor, v: Tensor, initial_state: Optional[Tensor], output_final_state: bool,
