@@ -6,13 +6,16 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from moe_lc.ops.attention import DocumentMask, document_mask
 from moe_lc_kernels.transfer import upload
+
+if TYPE_CHECKING:  # moe_lc.parallel imports the model, which imports this module
+    from moe_lc.parallel.context import DocumentShard
 
 __all__ = ["DocumentBounds", "as_document_bounds", "upload"]
 
@@ -30,11 +33,17 @@ class DocumentBounds:
     Build it with :meth:`from_host` (the trainer: one pinned upload) or :meth:`of` (a tensor
     already on the device: one host read). The constructor checks what it can without reading
     the device: dtype, length, the host boundaries themselves, and the content when the tensor
-    is on the CPU. Context parallelism will add the view of this rank's shard of the row here.
+    is on the CPU.
+
+    Under context parallelism the boundaries stay those of the whole row and ``shard`` holds
+    this rank's view of them (its pieces, what crosses its chunk edges; built once per batch by
+    :func:`moe_lc.parallel.context.shard_documents`); the KDA op and the short convolution run
+    context-parallel when it is set. None: the row is not sharded.
     """
 
     cu_seqlens: Tensor  # int32 [N+1] on the compute device (FlashAttention convention), 0 = b_0 < ... < b_N = T
     host: tuple[int, ...]  # the same boundaries as host ints (no device read needed)
+    shard: Optional["DocumentShard"] = None  # this rank's view under context parallelism
 
     def __post_init__(self) -> None:
         _check_tensor(self.cu_seqlens, "DocumentBounds")
@@ -49,6 +58,9 @@ class DocumentBounds:
         if self.cu_seqlens.device.type == "cpu" and tuple(self.cu_seqlens.tolist()) != host:
             raise ValueError(f"DocumentBounds: cu_seqlens {_preview(self.cu_seqlens.tolist())} and host "
                              f"{_preview(host)} differ; build it with DocumentBounds.of or DocumentBounds.from_host")
+        if self.shard is not None and self.shard.context.seq_len != host[-1]:
+            raise ValueError(f"DocumentBounds: the shard view is of a row of {self.shard.context.seq_len} tokens, "
+                             f"these documents end at {host[-1]}; build it with shard_documents(docs, context)")
 
     @classmethod
     def from_host(cls, cu_seqlens: Tensor | Sequence[int], device: torch.device | str) -> "DocumentBounds":

@@ -197,6 +197,9 @@ def recurrent_kda(
     fp64 q); the final state is returned in the compute dtype.
     """
     docs = as_document_bounds(docs)
+    if docs is not None and docs.shard is not None:
+        raise ValueError("recurrent_kda: the reference runs one whole row in one process, not a context-parallel "
+                         "shard; pass the unsharded documents and the full row")
     num_seqs = _validate("recurrent_kda", q, k, v, g, beta, initial_state, docs)
     heads, key_dim, value_dim = q.shape[2], q.shape[3], v.shape[3]
     scale = key_dim**-0.5 if scale is None else scale
@@ -358,10 +361,19 @@ def chunk_kda(
     ``lower_bound`` given to :func:`kda_gate`; not checked). The Triton kernels need a bounded
     gate; without a floor the triton backend reads ``g.min()`` to find out, which on a GPU waits
     for all queued work.
+    When ``docs`` carries a context-parallel shard (``docs.shard``), the inputs are this rank's
+    local row and the result is the row's output at its tokens
+    (:mod:`moe_lc.parallel.context_kda`; no final states).
     """
     docs = as_document_bounds(docs)
-    _validate("chunk_kda", q, k, v, g, beta, initial_state, docs)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if docs is not None and docs.shard is not None:
+        # imported here: moe_lc.parallel imports the model, which imports this op
+        from moe_lc.parallel.context_kda import context_chunk_kda
+
+        return context_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, docs, gate_lower_bound,
+                                 backend)
+    _validate("chunk_kda", q, k, v, g, beta, initial_state, docs)
     impl = _resolve_backend(backend, q)
     out, final_state = impl(q, k, v, g, beta, scale, initial_state, output_final_state, docs, gate_lower_bound)
     return out.to(q.dtype), final_state

@@ -99,7 +99,16 @@ def chunk_kda_from_projections(
     """KDA on raw q, k (normalised here), v, the decay logit z [B, T, H, K] (gate as in
     :func:`kda_gate`: bounded with ``lower_bound``, softplus with None) and beta logits [B, T, H].
     ``docs``: packed documents as in :func:`chunk_kda`. Returns ``(o, final_state or None)`` like
-    :func:`chunk_kda`; differentiable in every tensor."""
+    :func:`chunk_kda`; differentiable in every tensor. With a context-parallel shard on ``docs``
+    the inputs are this rank's local row, as in :func:`chunk_kda`."""
+    docs = as_document_bounds(docs)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if docs is not None and docs.shard is not None:
+        # imported here: moe_lc.parallel imports the model, which imports this op
+        from moe_lc.parallel.context_kda import context_kda_from_projections
+
+        return context_kda_from_projections(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state,
+                                            output_final_state, docs, backend)
     if backend == "auto":
         impl = next(fn for fn, supports in _BACKENDS.values() if supports(q))
     elif backend in _BACKENDS:
@@ -113,7 +122,6 @@ def chunk_kda_from_projections(
     else:
         raise ValueError(f'chunk_kda_from_projections: unknown backend "{backend}"; choose one of '
                          f'{["auto", *dict.fromkeys([*_BACKENDS, *available_kda_backends()])]}')
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
     out, final = impl(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state,
-                      as_document_bounds(docs))
+                      docs)
     return out.to(v.dtype), final

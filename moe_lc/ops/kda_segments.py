@@ -8,16 +8,32 @@ predecessors; a prefix scan S_{j+1} = M_j S_j + S~_j then gives every segment it
 
 M is the final state of KDA run with zero values from the identity (an input-independent
 observation: the recurrence with v = 0 maps S_0 = I to the transition itself), so both come from
-any :func:`moe_lc.ops.kda.chunk_kda` backend and are differentiable through it.
+any KDA implementation that returns final states (:func:`transition_of`), and are differentiable
+through it; :func:`segment_transition` is that for :func:`moe_lc.ops.kda.chunk_kda`.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from moe_lc.ops.documents import DocumentBounds, as_document_bounds
 from moe_lc.ops.kda import chunk_kda
+
+# final_state(values [B, T, H, V'], initial_state [N, H, K, V'] or None) -> final states [N, H, K, V']
+FinalState = Callable[[Tensor, Optional[Tensor]], Tensor]
+
+
+def transition_of(final_state: FinalState, values: Tensor, key_dim: int) -> tuple[Tensor, Tensor]:
+    """``(S~, M)`` of the segments that ``final_state`` runs KDA over: S~ from ``values`` and a
+    zero start, M from zero values (K columns) and the identity."""
+    s_tilde = final_state(values, None)
+    num_seqs, heads = s_tilde.shape[:2]
+    eye = torch.eye(key_dim, dtype=s_tilde.dtype, device=s_tilde.device).expand(num_seqs, heads, key_dim, key_dim)
+    zeros = values.new_zeros(*values.shape[:3], key_dim)
+    return s_tilde, final_state(zeros, eye.contiguous())
 
 
 def segment_transition(
@@ -38,11 +54,9 @@ def segment_transition(
     ``chunk_kda(..., initial_state=S)`` gives the outputs.
     """
     docs = as_document_bounds(docs)  # read a plain cu_seqlens tensor once, not per call below
-    common = dict(scale=scale, output_final_state=True, docs=docs, gate_lower_bound=gate_lower_bound, backend=backend)
-    _, s_tilde = chunk_kda(q, k, v, g, beta, **common)
-    num_seqs = s_tilde.shape[0]
-    heads, key_dim = q.shape[2], q.shape[3]
-    eye = torch.eye(key_dim, dtype=s_tilde.dtype, device=q.device).expand(num_seqs, heads, key_dim, key_dim)
-    zeros = torch.zeros(*q.shape[:3], key_dim, dtype=v.dtype, device=v.device)
-    _, transition = chunk_kda(q, k, zeros, g, beta, initial_state=eye.contiguous(), **common)
-    return s_tilde, transition
+
+    def final_state(values: Tensor, initial_state: Optional[Tensor]) -> Tensor:
+        return chunk_kda(q, k, values, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
+                         docs=docs, gate_lower_bound=gate_lower_bound, backend=backend)[1]
+
+    return transition_of(final_state, v, q.shape[-1])

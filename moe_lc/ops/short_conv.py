@@ -5,7 +5,9 @@ picks it or the fused Triton kernels (moe_lc_kernels.short_conv: one pass forwar
 where the reference makes a dozen elementwise passes each way). Packed rows hold several documents
 (``docs``: DocumentBounds, or a ``cu_seqlens`` tensor in the FlashAttention convention); the
 convolution restarts at each one, exactly as if every document were run alone. Only the device
-boundaries are used, so nothing is read back to the host.
+boundaries are used, so nothing is read back to the host. When ``docs`` carries a context-parallel
+shard (``docs.shard``), x is this rank's local row and the convolution takes the halo it needs from
+the neighbouring chunks (``moe_lc.parallel.context_conv``).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from torch import Tensor
 
 from moe_lc.ops.documents import DocumentBounds
 
-__all__ = ["position_in_document", "causal_depthwise_conv", "short_conv", "resolve_backend",
-           "triton_unsupported_reason"]
+__all__ = ["position_in_document", "causal_depthwise_conv", "short_conv", "convolve_at_positions",
+           "resolve_backend", "triton_unsupported_reason"]
 
 ACTIVATIONS = (None, "silu")
 BACKENDS = ("auto", "torch", "triton")
@@ -39,14 +41,18 @@ def position_in_document(seq_len: int, cu_seqlens: Optional[Tensor], device: tor
     return t - starts[doc]
 
 
-def causal_depthwise_conv(x: Tensor, weight: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tensor:
+def causal_depthwise_conv(
+    x: Tensor, weight: Tensor, cu_seqlens: Optional[Tensor] = None, positions: Optional[Tensor] = None
+) -> Tensor:
     """y[t, c] = sum_j weight[c, W-1-j] * x[t-j, c] over taps j that stay inside t's document.
 
-    x: [B, T, C]; weight: [C, W] (last tap multiplies the current token). The reference.
+    x: [B, T, C]; weight: [C, W] (last tap multiplies the current token). The reference. The
+    documents come from ``cu_seqlens`` or, when given, ``positions`` ([T]: each token's offset
+    from its document's start; tap j is used where it is at least j).
     """
     B, T, C = x.shape
     W = weight.shape[-1]
-    pos = position_in_document(T, cu_seqlens, x.device)
+    pos = positions if positions is not None else position_in_document(T, cu_seqlens, x.device)
     y = x * weight[:, W - 1]
     for j in range(1, W):
         if j >= T:
@@ -122,15 +128,31 @@ def short_conv(
     the dtype torch promotes x and weight to), "triton" (fused kernels, fp32 accumulation, output
     in x's dtype), "auto" (triton for CUDA fp32/bf16/fp16 inputs when installed, torch otherwise).
     """
+    if isinstance(docs, DocumentBounds) and docs.shard is not None:
+        # imported here: moe_lc.parallel imports the model, which imports this op
+        from moe_lc.parallel.context_conv import context_short_conv
+
+        return context_short_conv(x, weight, docs, activation=activation, backend=backend)
     cu_seqlens = docs.cu_seqlens if isinstance(docs, DocumentBounds) else docs
     _check(x, weight, cu_seqlens, activation, backend)
     if isinstance(docs, DocumentBounds) and docs.total != x.shape[1]:
         raise ValueError(f"short_conv: the documents (docs) end at {docs.total} but x has T = {x.shape[1]} tokens; "
                          "the last boundary must be the row length")
+    pos = None if cu_seqlens is None else position_in_document(x.shape[1], cu_seqlens, x.device)
+    return convolve_at_positions(x, weight, pos, activation, backend)
+
+
+def convolve_at_positions(
+    x: Tensor, weight: Tensor, positions: Optional[Tensor], activation: Optional[str], backend: str
+) -> Tensor:
+    """act(conv(x)) with tap j used where ``positions`` ([T] offsets from each token's document
+    start; None: plain causal) is at least j, on the backend :func:`resolve_backend` picks
+    (the context-parallel convolution runs its halo windows through it)."""
+    _check(x, weight, None, activation, backend)
     if resolve_backend(x, weight, backend) == "torch":
-        y = causal_depthwise_conv(x, weight, cu_seqlens)
+        y = causal_depthwise_conv(x, weight, positions=positions)
         return F.silu(y) if activation == "silu" else y
     from moe_lc_kernels.short_conv import short_conv_triton
 
-    pos = None if cu_seqlens is None else position_in_document(x.shape[1], cu_seqlens, x.device).to(torch.int32)
+    pos = None if positions is None else positions.to(torch.int32)
     return short_conv_triton(x, weight, pos, silu=activation == "silu")
