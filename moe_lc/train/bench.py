@@ -69,6 +69,7 @@ class BenchResult:
     grad_accum: int
     layout: str
     world_size: int
+    device_type: str  # cuda | cpu
     device: str
     precision: str
     warmup_steps: int
@@ -184,7 +185,8 @@ def _result(
         grad_accum=plan.grad_accum,
         layout=plan.layout.describe(),
         world_size=world,
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+        device_type=device.type,
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} thread(s))",
         precision="bf16 autocast, fp32 weights" if runtime.compute_dtype == torch.bfloat16 else "fp32",
         warmup_steps=warmup,
         steps=len(timed),
@@ -207,12 +209,16 @@ def _result(
     )
 
 
+def _rate(tflops: float) -> str:
+    return f"{tflops:,.1f} TFLOP/s" if tflops >= 1 else f"{1e3 * tflops:,.1f} GFLOP/s"
+
+
 def format_bench(r: BenchResult) -> str:
     """The console report of a bench."""
     def pct(x: Optional[float]) -> str:
         return "n/a" if x is None else f"{100 * x:.1f}%"
 
-    datasheet = "unknown device" if r.peak_tflops_datasheet is None else f"{r.peak_tflops_datasheet:,.0f} TFLOP/s"
+    datasheet = "unknown device" if r.peak_tflops_datasheet is None else _rate(r.peak_tflops_datasheet)
     memory = f"{r.peak_memory_gib:.2f} GiB" + (f" of {r.device_memory_gib:.1f} GiB" if r.device_memory_gib else "")
     lines = [
         f"moe-lc bench: recipe {r.recipe}, stage {r.stage} (seq_len {r.seq_len}, {r.global_batch_tokens:,} tokens "
@@ -222,14 +228,15 @@ def format_bench(r: BenchResult) -> str:
         f"(min {min(r.step_times_s):.3f}, max {max(r.step_times_s):.3f}), loss {r.first_loss:.4f} -> {r.last_loss:.4f}",
         f"  throughput    {r.tokens_per_s:,.0f} tokens/s ({r.tokens_per_s_per_device:,.0f} per device)",
         f"  model FLOPs   {r.flops_per_token:.4g} per token ({r.keys_per_token:,.1f} keys per query): "
-        f"{r.tflops_per_device:.2f} TFLOP/s per device",
+        f"{_rate(r.tflops_per_device)} per device",
         f"  MFU           {pct(r.mfu)} of the datasheet peak ({datasheet}), {pct(r.mfu_measured_peak)} of the "
-        f"measured matmul peak ({r.peak_tflops_measured:,.1f} TFLOP/s)",
+        f"measured matmul peak ({_rate(r.peak_tflops_measured)})",
         f"  peak memory   {memory}",
     ]
     if r.profile is not None:
         p = r.profile
-        lines.append(f"  breakdown     {p.steps} profiled step of {p.step_time_s:.3f} s, device idle "
+        idle = "device idle" if r.device_type == "cuda" else "no op running"
+        lines.append(f"  breakdown     {p.steps} profiled step of {p.step_time_s:.3f} s, {idle} "
                      f"{pct(p.device_idle_share)} of it")
         step_ms = 1e3 * p.step_time_s
         for name, ms in p.components_ms.items():

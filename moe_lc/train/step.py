@@ -152,16 +152,16 @@ def train_step(
         for balancer in balancers:
             balancer.update(state.balance_group)
     sums = _sum_over_data_parallel(torch.stack([lm_sum, extra_sum]), state)
-    queued = [sums / denom, grad_norm.reshape(1), counts]
-    queued += [torch.stack([b.last_maxvio for b in balancers])] if balancers else []
-    queued += [b.last_loads for b in balancers]
+    layers = len(balancers)
+    queued = [sums / denom, grad_norm.reshape(1), counts, *(b.last_maxvio.reshape(1) for b in balancers),
+              *(b.last_loads for b in balancers)]
     if runtime.distributed:
         queued.append(_any_rank(stop_requested, runtime))
     host = read_to_host(queued)
     (lm, extra), (norm,), (label_tokens, keys, tokens) = host[:3]
-    maxvio = host[3] if balancers else []
-    loads = [[int(x) for x in layer] for layer in host[4 : 4 + len(balancers)]]
-    stop = bool(host[-1][0]) if runtime.distributed else stop_requested
+    maxvio = [v for (v,) in host[3 : 3 + layers]]
+    loads = [[int(x) for x in layer] for layer in host[3 + layers : 3 + 2 * layers]]
+    stop = bool(host[3 + 2 * layers][0]) if runtime.distributed else stop_requested
     return StepResult(
         loss=lm, grad_norm=norm, lr=lr, label_tokens=int(label_tokens), keys_per_token=keys / max(tokens, 1.0),
         maxvio_per_layer=maxvio, expert_loads=loads, stop_requested=stop, aux_loss=extra,
@@ -203,6 +203,8 @@ def run_steps(
     pin = device.type == "cuda"
 
     def prepare(position: int) -> list:
+        if pin:  # the worker thread's own current device, or its pinned buffers would live in a context on GPU 0
+            torch.cuda.set_device(device)
         with region("data"):
             return data.micro_batches(position, state.dp_rank, pin_memory=pin)
 
