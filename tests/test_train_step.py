@@ -127,3 +127,32 @@ def test_a_micro_batch_without_labels_adds_nothing_to_the_update():
     assert got.grad_norm == want.grad_norm  # its gradient is zero, not NaN, although its loss is 0/0
     for (name, p), q in zip(with_empty.model.named_parameters(), alone.model.parameters()):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.usefixtures("shared_corpus_cache")
+def test_a_stop_signal_ends_the_run_after_the_next_step_with_a_checkpoint(tmp_path, monkeypatch, capsys):
+    """SIGTERM during step 2: the request rides in step 3's end-of-step read; the run saves and stops."""
+    import json
+    import os
+    import signal
+
+    import moe_lc.train.step as step_module
+    from moe_lc.train.main import run_train_cli
+
+    real_step = step_module.train_step
+
+    def signalled_step(state, micro, step, *args, **kwargs):
+        result = real_step(state, micro, step, *args, **kwargs)
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    monkeypatch.setattr(step_module, "train_step", signalled_step)
+    args = ["curriculum.run=[ctx256]", "curriculum.stages.ctx256.steps=6", "curriculum.stages.ctx256.global_batch_tokens=512",
+            "curriculum.stages.ctx256.micro_batch=2", "eval.sequences=0", "eval.passkey_documents=0",
+            "logging.progress=none", "logging.tensorboard=false", "report.at_end=false", "threads=1", f"run_dir={tmp_path}"]
+    assert run_train_cli(args) == 0
+    assert "stopped by signal: step 3/" in capsys.readouterr().out
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000003"]

@@ -148,7 +148,7 @@ class Trainer:
                     self._evaluate(state, plan, data, position)
                 if stage_done and cfg.checkpoint.at_stage_end and self.last_saved_step != position.step:
                     summary.checkpoints.append(str(self._save(state, plan, position)))
-                if not stage_done:  # max_steps or a stop signal
+                if not stage_done or summary.stopped_early:  # max_steps or a stop signal (also at a stage end)
                     break
             if state is not None and self.last_saved_step != position.step:
                 current = stage_at(plans, max(position.step - 1, 0))
