@@ -102,7 +102,8 @@ def run_bench(
     """Bench the first stage of `cfg` that would run (set `cfg.curriculum.run` to pick another); rank 0
     prints the report to `stream` (stdout) and writes it as JSON to `json_path`."""
     if steps < 1 or warmup < 0:
-        raise ConfigError(f"--steps {steps} --warmup {warmup}: time at least one step, warm up zero or more")
+        raise ConfigError(f"--steps {steps} --warmup {warmup}: time one step or more (--steps N >= 1) after zero "
+                          "or more warm-up steps (--warmup W >= 0)")
     runtime = init_runtime(cfg.device, cfg.precision, cfg.threads)
     try:
         result = _bench(cfg, runtime, steps, warmup, profiled)
