@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("recipe", help="a recipe name, e.g. k3-8k (moe-lc train --list shows them)")
     plan.add_argument("overrides", nargs=argparse.REMAINDER, help="Hydra overrides, e.g. layout.tp=4")
     plan.set_defaults(func=cmd_plan)
+    # listed for --help only: main() hands everything after `bench` to its own parser
+    bench = sub.add_parser("bench", help="time a recipe's stage here: tokens/s, MFU, memory, time per component")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="RECIPE [key=value ...] [--steps N] [--warmup W] "
+                       "[--stage NAME] [--json PATH] [--profile]")
     report = sub.add_parser("report", help="plots (PNG) and a per-stage summary of a training run")
     report.add_argument("run_dir", help="the run_dir of a `moe-lc train` run (holds metrics.jsonl)")
     report.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
@@ -129,6 +133,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from moe_lc.train.main import run_train_cli
 
         return run_train_cli(argv[1:])
+    if argv and argv[0] == "bench":
+        from moe_lc.train.main import run_bench_cli
+
+        return run_bench_cli(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -109,3 +109,23 @@ def test_fresh_start_over_existing_checkpoints_is_refused(capsys, trained):
 def test_missing_resume_path(capsys, tmp_path):
     err = _fails(capsys, *ONE_STEP, f"run_dir={tmp_path}", f"resume={tmp_path / 'nowhere'}")
     assert "no checkpoint" in err
+
+
+def test_out_of_memory_in_a_step_names_the_stage_the_peak_and_the_fixes(capsys, tmp_path, monkeypatch):
+    from moe_lc.model.transformer import MoELCModel
+
+    real_forward, calls = MoELCModel.forward, []
+
+    def forward(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the second step's first micro-batch
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(MoELCModel, "forward", forward)
+    err = _fails(capsys, *ONE_STEP, f"run_dir={tmp_path}")
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    for needle in ("stage ctx256 ran out of memory", "at step 2", "seq_len 256", "micro_batch 2", "GiB",
+                   "curriculum.stages.ctx256.activation_checkpointing.mode=full",
+                   "curriculum.stages.ctx256.micro_batch=1", "+curriculum.stages.ctx256.layout.cp=2"):
+        assert needle in err, (needle, err)

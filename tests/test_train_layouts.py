@@ -2,7 +2,11 @@
 moe_lc.parallel) train stage ctx256 data-parallel (FSDP2) and switch to tensor parallelism for
 stage ctx1k inside the run (checkpoint, rebuild, reload); one process then resumes from the
 FSDP checkpoint. All follow the single-process run: the same global batches, only summation
-orders differ."""
+orders differ.
+
+The proxy-8k recipe's first stage, unedited but for the tiny model and a small sequence and
+batch, fits one process and two ranks (its layout fits the world) and takes its first step on
+both with the same loss (`moe-lc bench`, which builds and steps a stage as `moe-lc train` does)."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import pytest
 
 pytest.importorskip("moe_lc.parallel")
 
-from moe_lc.train.main import run_train_cli  # noqa: E402
+from moe_lc.train.main import run_bench_cli, run_train_cli  # noqa: E402
 
 FAST = [
     "curriculum.run=[ctx256,ctx1k]",
@@ -73,9 +77,37 @@ def test_two_data_parallel_ranks_then_one_process(tmp_path, cache, monkeypatch):
     for step in ref_norms:  # after the switch to TP the fp32 drift seen in the losses grows in the gradients
         assert two_norms[step] == pytest.approx(ref_norms[step], rel=1e-5 if step <= 3 else 1e-3)
 
+    # MFU's attention keys come from every rank's documents: the same global number as one process
+    two_keys, ref_keys = _losses(dp2, "keys_per_token"), _losses(single, "keys_per_token")
+    assert two_keys == pytest.approx(ref_keys, rel=1e-12)
+
     resumed = tmp_path / "resumed"
     assert run_train_cli([*FAST, f"run_dir={resumed}", f"resume={dp2 / 'checkpoints' / 'step_00000002'}"]) == 0
     got = _losses(resumed)
     assert sorted(got) == [3, 4, 5]
     for step in got:  # across the ctx256 -> ctx1k boundary, on one process
         assert got[step] == pytest.approx(ref[step], rel=1e-5)
+
+
+PROXY_8K_TINY = ["model=tiny", "curriculum.stages.ctx8k.seq_len=256", "curriculum.stages.ctx8k.global_batch_tokens=1024",
+                 "data.synthetic_documents=8", "threads=1", "--steps", "1", "--warmup", "0"]
+
+
+def test_proxy_8k_first_stage_fits_one_process_and_two_ranks(tmp_path, cache, monkeypatch):
+    monkeypatch.setenv("MOE_LC_CACHE", cache)
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    assert run_bench_cli(["proxy-8k", *PROXY_8K_TINY, "--json", str(one)]) == 0
+    env = {**os.environ, "MOE_LC_CACHE": cache, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "moe_lc.cli", "bench", "proxy-8k", *PROXY_8K_TINY, "--json", str(two)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    single, ranks = json.loads(one.read_text()), json.loads(two.read_text())
+    assert single["stage"] == ranks["stage"] == "ctx8k"
+    assert single["layout"].startswith("pp=1 dp_replicate=1 dp_shard=1 cp=1 tp=1 ep=1 (world 1")
+    assert ranks["layout"].startswith("pp=1 dp_replicate=1 dp_shard=2 cp=1 tp=1 ep=2 (world 2")  # ep 8 fitted to 2
+    assert (single["grad_accum"], ranks["grad_accum"]) == (4, 2)
+    assert ranks["first_loss"] == pytest.approx(single["first_loss"], rel=1e-5)
+    assert ranks["keys_per_token"] == pytest.approx(single["keys_per_token"], rel=1e-12)  # over the global batch

@@ -11,6 +11,9 @@ import sys
 
 import pytest
 
+from moe_lc.model.accounting import training_flops_per_token
+from moe_lc.presets import get_preset
+
 SHORTER = [
     "curriculum.stages.ctx256.steps=2", "curriculum.stages.ctx256.global_batch_tokens=512",
     "curriculum.stages.ctx256.micro_batch=2",
@@ -46,6 +49,10 @@ def test_smoke_recipe_runs_all_stages_and_prints_progress(smoke_run):
             assert isinstance(r[key], float), key
         assert len(r["maxvio_per_layer"]) == 4 and len(r["expert_loads"]) == 4  # tiny: 4 MoE layers
         assert all(sum(layer) == 2 * r["tokens"] for layer in r["expert_loads"])  # top-2 of every token
+        # MFU's FLOPs count attention within the step's documents (never more keys than one document per row)
+        assert 0 < r["keys_per_token"] <= (r["seq_len"] + 1) / 2
+        assert r["flops_per_token"] == pytest.approx(
+            training_flops_per_token(get_preset("tiny"), r["seq_len"], r["keys_per_token"]), rel=1e-12)
     assert records[-1]["loss"] < records[0]["loss"]
     lrs = [r["lr"] for r in records]  # one schedule: warmup to the peak, then cosine down to min_lr
     assert lrs[0] == pytest.approx(3e-3) and lrs[-1] == pytest.approx(3e-4) and lrs == sorted(lrs, reverse=True)

@@ -10,7 +10,11 @@ times; on a CPU they are the ops' own CPU times.
 Components: kda, mla, attn_res (depth mixing), router_dispatch (router, balancer, latent
 projections, sort, gather, combine), experts (routed expert GEMMs and activation),
 shared_experts, dense_ffn, norms, loss (LM head and cross-entropy, MTP), plus the regions the
-step loop opens itself with :func:`region`: optimizer, data.
+step loop opens itself with :func:`region`: optimizer, data (uploads, waiting for the prepared
+batches, and the preparation itself on its own thread), router_dispatch (the balancer update).
+
+:func:`idle_share`: the share of the profiled window in which the device ran nothing, i.e. the
+time the step's kernels waited for the host to queue them (or for a read back).
 """
 
 from __future__ import annotations
@@ -83,6 +87,13 @@ def component_ranges(model: nn.Module) -> Iterator[None]:
 
     parents = {id(child): mod for mod in model.modules() for child in mod.children()}
     lm_head = getattr(model, "lm_head", None)
+    loss_fn = getattr(model, "lm_loss", None)  # the cross-entropy runs outside the LM head module
+    own_loss_fn = "lm_loss" in vars(model)
+    if loss_fn is not None:
+        def charged_to_loss(*args: Any, **kwargs: Any) -> Any:
+            with region("loss"):
+                return loss_fn(*args, **kwargs)
+        model.lm_loss = charged_to_loss
     for module in model.modules():
         name = "loss" if module is lm_head else component_of(module, parents.get(id(module)))
         if name is None:
@@ -94,6 +105,10 @@ def component_ranges(model: nn.Module) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
+        if own_loss_fn:
+            model.lm_loss = loss_fn
+        elif loss_fn is not None:
+            del model.lm_loss
 
 
 def _own_component(event: Any) -> Optional[str]:
@@ -146,3 +161,25 @@ def breakdown(events: Any, device: bool) -> dict[str, float]:
         for name, us in timed:
             totals[COMMUNICATION if "nccl" in name.lower() else owner or OTHER] += us / 1e3
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def idle_share(events: Any, device: bool) -> float:
+    """Share of the profiled window (first to last event) in which nothing ran: no kernel, copy or
+    fill on a GPU (``device``); on a CPU no ``aten::`` op on any thread."""
+    spans, starts, ends = [], [], []
+    for e in events:
+        start, end = e.time_range.start, e.time_range.end
+        starts.append(start)
+        ends.append(end)
+        if device and e.device_type == torch.autograd.DeviceType.CUDA:
+            spans.append((start, end))
+        elif not device and e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("aten::"):
+            spans.append((start, end))
+    if not starts or max(ends) <= min(starts):
+        return 0.0
+    busy, reach = 0.0, -float("inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return max(0.0, 1.0 - busy / (max(ends) - min(starts)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 import sys
+from typing import Optional
 
 import torch
 
@@ -19,3 +20,10 @@ def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak window (CUDA only: the CPU's peak RSS cannot be reset)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def device_memory_bytes(device: torch.device) -> Optional[int]:
+    """Memory of the device (None on a CPU, where the process shares the machine's)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return None

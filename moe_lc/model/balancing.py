@@ -84,8 +84,9 @@ def required_bias(scores: Tensor, cutoff: Tensor) -> Tensor:
     return cutoff.detach().float()[:, None] - scores.detach().float()
 
 
-def target_rank(num_tokens: int, top_k: int, num_experts: int) -> int:
-    """Q = ceil(m k / n), the number of tokens each expert should take (exact integer arithmetic)."""
+def target_rank(num_tokens: int | Tensor, top_k: int, num_experts: int) -> int | Tensor:
+    """Q = ceil(m k / n), the number of tokens each expert should take (exact integer arithmetic; m
+    may be an integer tensor on the device)."""
     return -(-num_tokens * top_k // num_experts)
 
 
@@ -144,18 +145,27 @@ def aux_balance_loss(scores: Tensor, topk_idx: Tensor, num_experts: int, top_k: 
     return num_experts / (top_k * m) * (counts * mean_prob).sum()
 
 
+def count_indices(index: Tensor, size: int) -> Tensor:
+    """How often each of 0..size-1 occurs in ``index``: int64 [size], computed on the device.
+
+    A scatter-add rather than ``torch.bincount``: on CUDA bincount reads the largest index back to
+    the host to size its output, which waits for every queued kernel.
+    """
+    flat = index.reshape(-1).long()
+    return torch.zeros(size, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def expert_loads(topk_idx: Tensor, num_experts: int) -> Tensor:
     """Tokens routed to each expert: int64 counts [n]."""
-    return torch.bincount(topk_idx.reshape(-1), minlength=num_experts)
+    return count_indices(topk_idx, num_experts)
 
 
-def max_violation(loads: Tensor) -> float:
-    """MaxVio = (max load - mean load) / mean load; 0.0 when nothing was routed."""
+def max_violation(loads: Tensor) -> Tensor:
+    """MaxVio = (max load - mean load) / mean load, 0 when nothing was routed: an fp64 scalar tensor on
+    the loads' device (the trainer reads it back with the rest of the step's numbers)."""
     loads = loads.double()
     mean = loads.mean()
-    if mean.item() == 0.0:
-        return 0.0
-    return ((loads.max() - mean) / mean).item()
+    return torch.where(mean > 0, (loads.max() - mean) / mean, torch.zeros_like(mean))
 
 
 def _all_reduce_sum(tensor: Tensor, group: Optional[Any]) -> None:
@@ -220,7 +230,7 @@ class QuantileHistogram(nn.Module):
         width = (hi - lo) / self.bins
         bin_idx = ((required.double() - lo) / width).floor().long().clamp_(0, self.bins - 1)
         flat = bin_idx + torch.arange(self.num_experts, device=bin_idx.device)[None, :] * self.bins
-        self.counts += torch.bincount(flat.reshape(-1), minlength=self.num_experts * self.bins).view_as(self.counts)
+        self.counts += count_indices(flat, self.num_experts * self.bins).view_as(self.counts)
 
     def all_reduce(self, group: Optional[Any] = None) -> None:
         """Sum the counts over every rank holding tokens of the step (one integer all-reduce)."""
@@ -244,8 +254,13 @@ class QuantileHistogram(nn.Module):
             )
         if m == 0:
             raise ValueError("the histogram is empty: add the step's scores before reading a bias")
+        return self.quantile(top_k)
+
+    def quantile(self, top_k: int) -> Tensor:
+        """``read_quantile`` without its checks and host reads: the global m is the counts' own, all
+        on the device; NaN where the histogram is empty (the balancer then keeps its bias)."""
         _check_top_k(self.num_experts, top_k)
-        rank = target_rank(m, top_k, self.num_experts)
+        rank = target_rank(self.counts[0].sum(), top_k, self.num_experts)
         cumulative = self.counts.cumsum(dim=1)
         first = (cumulative < rank).sum(dim=1, keepdim=True)  # first bin whose cumulative count reaches Q
         in_bin = self.counts.gather(1, first)
@@ -309,7 +324,7 @@ class ExpertBalancer(nn.Module):
         self.histogram = QuantileHistogram(num_experts, bins) if self.uses_histogram else None
         self._step_required: list[Tensor] = []  # exact QB: the step's required biases, per micro-batch
         self.last_loads = torch.zeros(num_experts, dtype=torch.int64)
-        self.last_maxvio = 0.0
+        self.last_maxvio = max_violation(self.last_loads)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, top_k={self.top_k}, mode={self.mode!r}, exact={self.exact}"
@@ -348,13 +363,15 @@ class ExpertBalancer(nn.Module):
 
     @torch.no_grad()
     def update(self, group: Optional[Any] = None) -> None:
-        """All-reduce the step's statistics over ``group`` and set the bias for the next step."""
+        """All-reduce the step's statistics over ``group`` and set the bias for the next step.
+
+        Device work only, no host read: the trainer queues a whole step without waiting for the
+        GPU. A step that routed nothing keeps the bias.
+        """
         loads = self._reduced_loads(group)
-        num_tokens = int(loads.sum().item()) // self.top_k
         self.last_loads = loads
         self.last_maxvio = max_violation(loads)
-        if num_tokens > 0:
-            self.bias.copy_(self._new_bias(num_tokens))
+        self.bias.copy_(self._new_bias())
         self._reset_step()
 
     def _reduced_loads(self, group: Optional[Any]) -> Tensor:
@@ -373,14 +390,17 @@ class ExpertBalancer(nn.Module):
         _all_reduce_sum(loads, group)
         return loads
 
-    def _new_bias(self, num_tokens: int) -> Tensor:
+    def _new_bias(self) -> Tensor:
         if self.mode == "qb":
             if self.histogram is not None:
-                new = self.histogram.read_bias(num_tokens, self.top_k)
-            else:
-                new = centred(quantile_of_required_bias(torch.cat(self._step_required), self.top_k)).float()
+                new = centred(self.histogram.quantile(self.top_k)).float()
+                routed = self.histogram.counts[0].sum() > 0
+                return torch.where(routed, self.ema * self.bias + (1.0 - self.ema) * new, self.bias)
+            if not any(r.shape[0] for r in self._step_required):
+                return self.bias
+            new = centred(quantile_of_required_bias(torch.cat(self._step_required), self.top_k)).float()
             return self.ema * self.bias + (1.0 - self.ema) * new
-        if self.mode == "sign":
+        if self.mode == "sign":  # zero loads leave the bias as it is (sign 0)
             return sign_update(self.bias, self.last_loads, self.sign_rate)
         return self.bias  # "aux" and "none" keep b = 0
 

@@ -1,6 +1,7 @@
 """The trainer: Hydra recipes, the staged context curriculum, the training loop and resume.
 
-Entry points: `moe-lc train` / `python -m moe_lc.train` (`moe_lc.train.main.run_train_cli`);
+Entry points: `moe-lc train` / `python -m moe_lc.train` (`moe_lc.train.main.run_train_cli`),
+`moe-lc bench` (`run_bench_cli`: one stage timed and profiled, `moe_lc.train.bench`);
 programmatic: `compose_recipe(name, overrides)` then `train(cfg)`.
 """
 

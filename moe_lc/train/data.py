@@ -11,7 +11,7 @@ same global batch, and the only data state to checkpoint is `c` per stage.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -86,10 +86,18 @@ class StageData:
         m = p.micro_batch
         return [[consumed + (a * dp + dp_rank) * m + j for j in range(m)] for a in range(p.grad_accum)]
 
-    def micro_batches(self, consumed: int, dp_rank: int) -> list:
+    def micro_batches(self, consumed: int, dp_rank: int, pin_memory: bool = False) -> list:
+        """This rank's micro-batches (packed `Batch`es) of the step starting at `consumed`.
+
+        pin_memory: token ids and labels in page-locked memory, so that their upload to a GPU is
+        a copy that does not wait (the trainer prepares batches ahead, on another thread).
+        """
         from moe_lc.data import collate
 
-        return [collate([self.dataset[i] for i in idx]) for idx in self.micro_batch_indices(consumed, dp_rank)]
+        batches = [collate([self.dataset[i] for i in idx]) for idx in self.micro_batch_indices(consumed, dp_rank)]
+        if pin_memory:
+            batches = [replace(b, input_ids=b.input_ids.pin_memory(), labels=b.labels.pin_memory()) for b in batches]
+        return batches
 
 
 def build_stage_data(

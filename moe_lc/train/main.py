@@ -1,8 +1,10 @@
-"""`moe-lc train` / `python -m moe_lc.train`: compose a recipe and train it; `moe-lc plan`: print its plan.
+"""`moe-lc train` / `python -m moe_lc.train`: compose a recipe and train it; `moe-lc plan`: print its
+plan; `moe-lc bench`: time one of its stages.
 
     moe-lc train                                   # the smoke recipe
     moe-lc train recipe=proxy-8k optim.lr=1e-3     # any recipe, any field
     moe-lc plan k3-8k                              # validate every stage and print the plan
+    moe-lc bench proxy-8k --steps 10 --profile     # tokens/s, MFU, memory, time per component
     moe-lc train --cfg                             # print the composed config
     moe-lc train --list                            # recipes and config-group options
 
@@ -86,6 +88,53 @@ def run_plan_cli(recipe: str, overrides: Sequence[str] = ()) -> int:
         print(plan_text(cfg, cfg.layout.world_size or int(os.environ.get("WORLD_SIZE", "1"))))
 
     return _exit_code(plan)
+
+
+BENCH_USAGE = """usage: moe-lc bench [RECIPE | recipe=NAME] [key=value ...] [--stage NAME] [--steps N] [--warmup W]
+                    [--json PATH] [--profile]
+
+Builds a stage of the recipe as `moe-lc train` would (the first stage it would run, or --stage)
+for the devices present (one process, or every rank under torchrun), runs W warm-up and N timed
+steps on its data and prints tokens/s, TFLOP/s and MFU per device (against the datasheet peak
+and a matmul peak measured here), peak memory and the mean step time; --profile adds the time
+per model component and the device's idle share from one profiled step. Writes nothing into
+run_dir and never resumes or saves a run."""
+
+
+def run_bench_cli(argv: Sequence[str]) -> int:
+    """`moe-lc bench ...`; exit code 2 for bad configuration or input (an out-of-memory step included)."""
+    import argparse
+
+    from moe_lc.train.bench import run_bench
+    from moe_lc.train.recipes import compose_recipe, recipes_dir, split_recipe_args
+
+    parser = argparse.ArgumentParser(prog="moe-lc bench", usage=BENCH_USAGE.split("\n\n")[0][len("usage: "):],
+                                     description=BENCH_USAGE.split("\n\n", 1)[1])
+    parser.add_argument("args", nargs="*", help="a recipe name and Hydra overrides (key=value)")
+    parser.add_argument("--stage", default=None, help="the stage to bench (default: the first the recipe runs)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up steps before them (default 2)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write every number to PATH as JSON")
+    parser.add_argument("--profile", action="store_true", help="profile one more step: time per component")
+    opts = parser.parse_intermixed_args(list(argv))
+    named = [a for a in opts.args if "=" not in a and not a.startswith(("+", "~"))]
+    if len(named) > 1:
+        print(f"error: one recipe at a time, got {' '.join(named)}", file=sys.stderr)
+        return 2
+    overrides = [f"recipe={name}" for name in named] + [a for a in opts.args if a not in named]
+
+    def bench() -> None:
+        recipe, rdir, rest = split_recipe_args(overrides)
+        cfg = compose_recipe(recipe, rest, recipes_dir(rdir))
+        cfg.max_steps = None  # a bench runs its own steps
+        if opts.stage is not None:
+            if opts.stage not in cfg.curriculum.stages:
+                raise ConfigError(f"--stage {opts.stage}: recipe {recipe} has stages "
+                                  f"{', '.join(cfg.curriculum.stages)}")
+            cfg.curriculum.run = [opts.stage]
+        run_bench(cfg, opts.steps, opts.warmup, opts.profile, opts.json)
+
+    return _exit_code(bench)
 
 
 def _exit_code(job: Callable[[], None]) -> int:

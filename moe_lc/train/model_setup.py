@@ -38,13 +38,6 @@ class ModelState:
     def moe_layers(self) -> list:
         return self.model.moe_layers()
 
-    def global_label_tokens(self, local: int) -> int:
-        if self.mesh is None:
-            return local
-        from moe_lc.parallel import global_label_tokens
-
-        return global_label_tokens(local, self.mesh)
-
     def set_gradient_sync(self, enabled: bool) -> None:
         if self.mesh is not None:
             from moe_lc.parallel import set_gradient_sync
@@ -57,10 +50,11 @@ class ModelState:
 
             finish_gradient_sync(self.model)
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Global gradient norm before clipping (max_norm 0: measure only)."""
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global gradient norm before clipping (max_norm 0: measure only), a device scalar: reading it
+        waits for the GPU, so the step reads it with its other results at its end."""
         # mesh-aware: sums shard norms per device mesh, counts replicas once (any layout, or none)
-        return float(clip_grad_norm(self.model.parameters(), max_norm))
+        return clip_grad_norm(self.model.parameters(), max_norm)
 
 
 def _optimizer_over(model: nn.Module, cfg: OptimConfig):

@@ -53,21 +53,6 @@ class Runtime:
             fn()
         self.barrier()
 
-    def all_reduce_sum(self, value: float, group: Optional[object] = None) -> float:
-        if not self.distributed:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=group)
-        return float(t.item())
-
-    def any_rank(self, flag: bool) -> bool:
-        """True on every rank if `flag` is true on any (e.g. a stop signal seen by one rank)."""
-        if not self.distributed:
-            return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
-
     def shutdown(self) -> None:
         if self.started_process_group and dist.is_initialized():
             dist.destroy_process_group()

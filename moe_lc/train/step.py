@@ -1,4 +1,5 @@
-"""One optimizer step: accumulate micro-batches, clip, update, rebalance the experts.
+"""One optimizer step: accumulate micro-batches, clip, update, rebalance the experts; and a
+stage's steps in order, with the next step's batches prepared ahead.
 
 The loss of the step is the mean over the label tokens of the whole global batch:
 
@@ -7,20 +8,39 @@ The loss of the step is the mean over the label tokens of the whole global batch
 so each micro-batch's backward is scaled by n_i / N and gradients are summed (never averaged)
 over data-parallel ranks; the result is independent of how the batch is split.
 After the optimizer step every MoE layer's balancer turns the step's routing statistics
-into the bias for the next step (SPEC 2.5): one reduction over the ranks that held tokens.
+into the bias for the next step: one reduction over the ranks that held tokens.
+
+A step queues all of its work without waiting for the device and reads back once, at its end
+(`read_to_host`): loss, gradient norm, label tokens, attended keys, the balancers' loads and
+MaxVio, and the launch's stop request, in one copy. Before that nothing waits: uploads go
+through pinned memory, N stays on the device (the backward scale n_i / N is a device scalar),
+the gradient norm and the routing statistics are device tensors, and the ranks' stop requests
+travel in a queued all-reduce.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
+from moe_lc.config import ConfigError
+from moe_lc.metrics import DeviceTimer, device_memory_bytes, peak_memory_bytes
+from moe_lc.metrics.breakdown import region
+from moe_lc.model.accounting import causal_keys_per_token
 from moe_lc.ops.documents import DocumentBounds, upload
 from moe_lc.optim import OptimConfig, apply_lr
+from moe_lc.parallel import data_parallel_group
+from moe_lc.train.curriculum import StagePlan
+from moe_lc.train.data import StageData
 from moe_lc.train.model_setup import ModelState
+from moe_lc.train.prefetch import Prefetcher
 from moe_lc.train.runtime import Runtime
+
+PREFETCH_DEPTH = 1  # steps of micro-batches waiting while one step runs
 
 
 @dataclass
@@ -29,7 +49,54 @@ class StepResult:
     grad_norm: float  # before clipping
     lr: float
     label_tokens: int  # global
+    keys_per_token: float  # mean keys a query attends to within its document, over the global batch
+    maxvio_per_layer: list[float]  # per MoE layer, of this step's routing
+    expert_loads: list[list[int]]  # per MoE layer and expert: tokens routed to it this step (global)
+    stop_requested: bool = False  # some rank was asked to stop (a signal): checkpoint and stop after this step
     aux_loss: float = 0.0  # extra terms of the objective (MTP, auxiliary balance), token-weighted
+
+
+@contextlib.contextmanager
+def host_sync_allowed() -> Iterator[None]:
+    """Around the step's one read: lets it wait for the GPU even under
+    `torch.cuda.set_sync_debug_mode("error")` (which a test sets to show that nothing else waits)."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("default")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+
+
+def read_to_host(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
+    """The values of `tensors` (one device) as host floats, in one device-to-host copy: the point
+    where a step waits for its work. Integers up to 2**53 come back exact."""
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
+    with host_sync_allowed():
+        values = flat.tolist()
+    out, start = [], 0
+    for t in tensors:
+        out.append(values[start : start + t.numel()])
+        start += t.numel()
+    return out
+
+
+def _sum_over_data_parallel(values: torch.Tensor, state: ModelState) -> torch.Tensor:
+    """In-place sum over the data-parallel ranks (a queued all-reduce; nothing to do on one rank)."""
+    group = data_parallel_group(state.mesh) if state.mesh is not None else None
+    if group is not None:
+        dist.all_reduce(values, group=group)
+    return values
+
+
+def _any_rank(flag: bool, runtime: Runtime) -> torch.Tensor:
+    """1 on every rank if `flag` is set on any, as a device scalar (a queued all-reduce)."""
+    t = upload(torch.tensor([1 if flag else 0], dtype=torch.int32), runtime.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
 
 
 def train_step(
@@ -39,55 +106,136 @@ def train_step(
     total_steps: int,
     optim_cfg: OptimConfig,
     runtime: Runtime,
+    stop_requested: bool = False,
 ) -> StepResult:
-    """Run 0-based optimizer step `step` of `total_steps` on this rank's micro-batches."""
+    """Run 0-based optimizer step `step` of `total_steps` on this rank's micro-batches.
+
+    stop_requested: this rank was asked to stop; the result says whether any rank was.
+    """
     model, optimizer, device = state.model, state.optimizer, runtime.device
-    local_tokens = sum(b.num_label_tokens for b in micro_batches)
-    global_tokens = state.global_label_tokens(local_tokens)
-    denom = max(global_tokens, 1)
+    with region("data"):
+        docs = [DocumentBounds.from_host(b.cu_seqlens, device) for b in micro_batches]
+        lengths = [n for d in docs for n in d.lengths]
+        tokens = sum(lengths)
+        labels = sum(b.num_label_tokens for b in micro_batches)
+        # [label tokens, keys attended, tokens] of the global batch
+        counts = upload(torch.tensor([labels, causal_keys_per_token(lengths) * tokens, tokens],
+                                     dtype=torch.float64), device)
+        counts = _sum_over_data_parallel(counts, state)
+        denom = counts[0].clamp(min=1)
     lm_sum = torch.zeros((), dtype=torch.float64, device=device)
     extra_sum = torch.zeros((), dtype=torch.float64, device=device)
-    autocast = runtime.autocast if state.autocast_forward else _no_autocast
+    autocast = runtime.autocast if state.autocast_forward else contextlib.nullcontext
     last = len(micro_batches) - 1
-    for i, batch in enumerate(micro_batches):
+    for i, (batch, bounds) in enumerate(zip(micro_batches, docs)):
         state.set_gradient_sync(i == last)
-        docs = DocumentBounds.from_host(batch.cu_seqlens, device)  # the layers never read the device back
+        with region("data"):
+            input_ids, targets = upload(batch.input_ids, device), upload(batch.labels, device)
         with autocast():
-            out = model(
-                upload(batch.input_ids, device),
-                labels=upload(batch.labels, device),
-                docs=docs,
-                return_logits=False,
-            )
+            out = model(input_ids, labels=targets, docs=bounds, return_logits=False)
         n = batch.num_label_tokens
-        if n == 0:  # nothing to learn (all padding); backward anyway so that data-parallel hooks fire
-            if bool(torch.isfinite(out.loss)):
-                (out.loss * 0.0).backward()
+        if n == 0:  # nothing to learn (all padding); backward anyway so that data-parallel hooks fire.
+            # The loss over no labels is NaN, its gradient zero: cross-entropy writes only at labels.
+            (out.loss * 0.0).backward()
             continue
-        (out.loss * (n / denom)).backward()
+        (out.loss * (torch.full_like(denom, n) / denom).to(out.loss.dtype)).backward()  # n / N, correctly rounded
         lm_sum += out.lm_loss.detach().double() * n
         extra_sum += (out.loss.detach() - out.lm_loss.detach()).double() * n
     state.finish_gradient_sync()
-    grad_norm = state.clip_grad_norm(optim_cfg.grad_clip)
-    lr = apply_lr(optimizer, step, total_steps, optim_cfg)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    for moe in state.moe_layers():
-        moe.balancer.update(state.balance_group)
-    sums = torch.stack([lm_sum, extra_sum])
-    if runtime.distributed and state.mesh is not None:
-        from moe_lc.parallel import data_parallel_group
+    with region("optimizer"):
+        grad_norm = state.clip_grad_norm(optim_cfg.grad_clip)
+        lr = apply_lr(optimizer, step, total_steps, optim_cfg)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    balancers = [moe.balancer for moe in state.moe_layers()]
+    with region("router_dispatch"):
+        for balancer in balancers:
+            balancer.update(state.balance_group)
+    sums = _sum_over_data_parallel(torch.stack([lm_sum, extra_sum]), state)
+    layers = len(balancers)
+    queued = [sums / denom, grad_norm.reshape(1), counts, *(b.last_maxvio.reshape(1) for b in balancers),
+              *(b.last_loads for b in balancers)]
+    if runtime.distributed:
+        queued.append(_any_rank(stop_requested, runtime))
+    host = read_to_host(queued)
+    (lm, extra), (norm,), (label_tokens, keys, tokens) = host[:3]
+    maxvio = [v for (v,) in host[3 : 3 + layers]]
+    loads = [[int(x) for x in layer] for layer in host[3 + layers : 3 + 2 * layers]]
+    stop = bool(host[3 + 2 * layers][0]) if runtime.distributed else stop_requested
+    return StepResult(
+        loss=lm, grad_norm=norm, lr=lr, label_tokens=int(label_tokens), keys_per_token=keys / max(tokens, 1.0),
+        maxvio_per_layer=maxvio, expert_loads=loads, stop_requested=stop, aux_loss=extra,
+    )
 
-        group = data_parallel_group(state.mesh)
-        if group is not None:
-            torch.distributed.all_reduce(sums, group=group)
-    lm, extra = (sums / denom).tolist()
-    return StepResult(loss=lm, grad_norm=grad_norm, lr=lr, label_tokens=global_tokens, aux_loss=extra)
+
+# ------------------------------------------------------------------------- a stage's steps
 
 
-class _no_autocast:
-    def __enter__(self):
-        return None
+@dataclass
+class TakenStep:
+    step: int  # the 0-based global step just taken
+    consumed: int  # sequences of the stage consumed before it
+    result: StepResult
+    time_s: float  # from asking for its batches to its end-of-step read
 
-    def __exit__(self, *exc):
-        return False
+
+def run_steps(
+    state: ModelState,
+    data: StageData,
+    steps: range,
+    consumed: int,
+    total_steps: int,
+    optim_cfg: OptimConfig,
+    runtime: Runtime,
+    stop_requested: Callable[[], bool] = lambda: False,
+) -> Iterator[TakenStep]:
+    """Global steps `steps` of `data`'s stage, the first starting at `consumed` sequences.
+
+    A background thread prepares each step's micro-batches (pinned on a GPU) while the step
+    before runs. Its only state is the position it started from, so after a resume it simply
+    recomputes what it had prepared. An out-of-memory error becomes a `ConfigError` that says
+    what to change (`out_of_memory_message`). Close the iterator (`contextlib.closing`) if you
+    stop early, which stops the worker.
+    """
+    plan, device = data.plan, runtime.device
+    per_step = plan.sequences_per_step
+    positions = range(consumed, consumed + len(steps) * per_step, per_step)
+    pin = device.type == "cuda"
+
+    def prepare(position: int) -> list:
+        if pin:  # the worker thread's own current device, or its pinned buffers would live in a context on GPU 0
+            torch.cuda.set_device(device)
+        with region("data"):
+            return data.micro_batches(position, state.dp_rank, pin_memory=pin)
+
+    timer = DeviceTimer(device)
+    with Prefetcher(prepare, positions, depth=PREFETCH_DEPTH) as ahead:
+        for step, position in zip(steps, positions):
+            timer.start()
+            with region("data"):
+                micro = ahead.get(position)
+            try:
+                result = train_step(state, micro, step, total_steps, optim_cfg, runtime, stop_requested())
+            except torch.OutOfMemoryError:
+                raise ConfigError(out_of_memory_message(plan, step, device)) from None
+            yield TakenStep(step, position, result, timer.stop())
+
+
+def out_of_memory_message(plan: StagePlan, step: int, device: torch.device) -> str:
+    """What ran out of memory, how far it got, and what to change in the stage to fit it."""
+    gib = 2**30
+    peak = peak_memory_bytes(device) / gib
+    total = device_memory_bytes(device)
+    reached = f"peak {peak:.1f} GiB of {total / gib:.1f} GiB" if total else f"peak {peak:.1f} GiB"
+    where = f"curriculum.stages.{plan.name}"
+    fixes = [f"recompute activations in backward with {where}.activation_checkpointing.mode=full"]
+    if plan.micro_batch > 1:
+        fixes.append(f"halve the micro-batch with {where}.micro_batch={plan.micro_batch // 2} (the same global "
+                     "batch in more accumulation steps)")
+    fixes.append(f"split the sequence over more ranks with ++{where}.layout.cp={2 * plan.layout.cp} once context "
+                 "parallelism is available")
+    return (
+        f"stage {plan.name} ran out of memory on {device} at step {step + 1} (seq_len {plan.seq_len}, "
+        f"micro_batch {plan.micro_batch} x {plan.grad_accum} accumulation, layout {plan.layout.describe()}; "
+        f"{reached}); to fit it, " + "; or ".join(fixes)
+    )

@@ -31,7 +31,6 @@ from typing import Any, Optional, TextIO
 import torch
 
 from moe_lc.checkpoint import CheckpointManager, restore_rng
-from moe_lc.config import ConfigError
 from moe_lc.metrics import device_peak_flops, mfu, peak_memory_bytes
 from moe_lc.model.accounting import count_parameters, training_flops_per_token
 from moe_lc.train.config import TrainConfig
@@ -42,7 +41,7 @@ from moe_lc.train.model_setup import ModelState, build_model_state
 from moe_lc.train.resume import RunPosition, Start, TrainerState, find_start
 from moe_lc.train.runlog import RunLog
 from moe_lc.train.runtime import Runtime, init_runtime
-from moe_lc.train.step import StepResult, train_step
+from moe_lc.train.step import StepResult, run_steps
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM preemption / time limit warnings
 
@@ -149,7 +148,7 @@ class Trainer:
                     self._evaluate(state, plan, data, position)
                 if stage_done and cfg.checkpoint.at_stage_end and self.last_saved_step != position.step:
                     summary.checkpoints.append(str(self._save(state, plan, position)))
-                if not stage_done:  # max_steps or a stop signal
+                if not stage_done or summary.stopped_early:  # max_steps or a stop signal (also at a stage end)
                     break
             if state is not None and self.last_saved_step != position.step:
                 current = stage_at(plans, max(position.step - 1, 0))
@@ -180,33 +179,32 @@ class Trainer:
         self, state: ModelState, plan: StagePlan, data: StageData, position: RunPosition, summary: RunSummary
     ) -> float:
         """Steps of `plan` from `position` until its end, max_steps or a stop signal; returns the step time spent."""
-        cfg, rt = self.cfg, self.runtime
-        spent, steps = 0.0, 0
-        while position.step < plan.end_step:
-            if cfg.max_steps is not None and position.step >= cfg.max_steps:
-                break
-            if rt.any_rank(self.stop.requested):
-                summary.stopped_early = True
-                break
-            consumed = position.consumed.get(plan.name, 0)
-            t0 = time.perf_counter()
-            micro = data.micro_batches(consumed, state.dp_rank)
-            result = train_step(state, micro, position.step, self.total, cfg.optim, rt)
-            if rt.device.type == "cuda":
-                torch.cuda.synchronize(rt.device)
-            dt = time.perf_counter() - t0
-            position.advance(plan, consumed, dt)
-            spent += dt
-            steps += 1
-            summary.steps_this_launch += 1
-            summary.tokens_this_launch += plan.global_batch_tokens
-            summary.last_loss = result.loss
-            self.log.step(self._step_record(state, plan, position, result, dt), self._eta(plan, position, spent / steps))
-            if not math.isfinite(result.loss):
-                raise FloatingPointError(f"loss is {result.loss} at step {position.step}; lower optim.lr or check the data")
-            stage_end_save = position.step == plan.end_step and cfg.checkpoint.at_stage_end  # after the eval
-            if cfg.checkpoint.every and position.step % cfg.checkpoint.every == 0 and not stage_end_save:
-                summary.checkpoints.append(str(self._save(state, plan, position)))
+        cfg = self.cfg
+        end = plan.end_step if cfg.max_steps is None else max(position.step, min(plan.end_step, cfg.max_steps))
+        steps = range(position.step, end)
+        consumed = position.consumed.get(plan.name, 0)
+        spent, count = 0.0, 0
+        taken_steps = run_steps(state, data, steps, consumed, self.total, cfg.optim, self.runtime,
+                                stop_requested=lambda: self.stop.requested)
+        with contextlib.closing(taken_steps):
+            for taken in taken_steps:
+                result, dt = taken.result, taken.time_s
+                position.advance(plan, taken.consumed, dt)
+                spent += dt
+                count += 1
+                summary.steps_this_launch += 1
+                summary.tokens_this_launch += plan.global_batch_tokens
+                summary.last_loss = result.loss
+                self.log.step(self._step_record(plan, position, result, dt),
+                              self._eta(plan, position, spent / count))
+                if not math.isfinite(result.loss):
+                    raise FloatingPointError(f"loss is {result.loss} at step {position.step}; lower optim.lr or check the data")
+                stage_end_save = position.step == plan.end_step and cfg.checkpoint.at_stage_end  # after the eval
+                if cfg.checkpoint.every and position.step % cfg.checkpoint.every == 0 and not stage_end_save:
+                    summary.checkpoints.append(str(self._save(state, plan, position)))
+                if result.stop_requested:
+                    summary.stopped_early = True
+                    break
         return spent
 
     # ----------------------------------------------------------------- checkpoints
@@ -265,16 +263,14 @@ class Trainer:
             f"{rt.world_size} ({dtype}), {start}, run_dir {self.run_dir}"
         )
 
-    def _step_record(
-        self, state: ModelState, plan: StagePlan, position: RunPosition, result: StepResult, dt: float
-    ) -> dict[str, Any]:
-        """The metrics.jsonl record of the step just taken."""
+    def _step_record(self, plan: StagePlan, position: RunPosition, result: StepResult, dt: float) -> dict[str, Any]:
+        """The metrics.jsonl record of the step just taken (host numbers only: the step read them back)."""
         cfg, rt = self.cfg, self.runtime
         tokens_per_s = plan.global_batch_tokens / dt if dt > 0 else 0.0
-        flops_per_token = training_flops_per_token(cfg.model, plan.seq_len)
+        flops_per_token = training_flops_per_token(cfg.model, plan.seq_len, result.keys_per_token)
         peak = device_peak_flops(rt.device, cfg.logging.cpu_peak_flops)
         util = mfu(tokens_per_s, flops_per_token, peak, rt.world_size)
-        maxvio = [float(m.balancer.last_maxvio) for m in state.moe_layers()]
+        maxvio = result.maxvio_per_layer
         record: dict[str, Any] = {
             "step": position.step,
             "stage": plan.name,
@@ -291,6 +287,7 @@ class Trainer:
             "tokens_per_s_per_device": tokens_per_s / rt.world_size,
             "mfu": util,
             "flops_per_token": flops_per_token,
+            "keys_per_token": result.keys_per_token,
             "peak_memory_gib": peak_memory_bytes(rt.device) / 2**30,
             "maxvio": max(maxvio) if maxvio else 0.0,
             "maxvio_per_layer": maxvio,
@@ -299,7 +296,7 @@ class Trainer:
         if result.aux_loss:
             record["aux_loss"] = result.aux_loss
         if position.step % cfg.logging.loads_every == 0 or position.step == plan.end_step:
-            record["expert_loads"] = [m.balancer.last_loads.tolist() for m in state.moe_layers()]
+            record["expert_loads"] = result.expert_loads
         return record
 
     def _eta(self, plan: StagePlan, position: RunPosition, mean_step_time: float) -> float:

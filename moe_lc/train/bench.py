@@ -1,0 +1,245 @@
+"""`moe-lc bench RECIPE`: how fast one stage of a recipe trains on the devices present, and where
+the time goes.
+
+The stage (the recipe's first stage that would run, or `--stage NAME`) is built exactly as
+`moe-lc train` builds it: the same layout resolved for the world (one process, or every rank
+under torchrun), the same model setup, the same data and the same step loop (`run_steps`:
+batches prepared ahead, one host read per step). It runs W warm-up steps, then N timed steps,
+then, with `--profile`, one profiled step (after one profiler warm-up step). Nothing is written
+into run_dir and no checkpoint is read or saved: an existing run is never touched.
+
+Numbers (printed by rank 0; `--json PATH` writes them all):
+- step time: wall time of the N timed steps / N; tokens/s: global batch tokens / step time;
+- model FLOPs per token: `training_flops_per_token` at the stage's seq_len and the measured keys
+  per token (attention within documents), so TFLOP/s per device = tokens/s x FLOPs / devices;
+- MFU against the datasheet peak (`device_peak_flops`) and against a bf16 matmul peak measured
+  in the same run (`measured_matmul_peak`; fp32 on a CPU);
+- peak memory: the largest allocator peak over the ranks (peak RSS on a CPU);
+- breakdown: time per model component in the profiled step (`moe_lc.metrics.breakdown`) and
+  the share of the step in which the device ran nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional, TextIO
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from moe_lc.config import ConfigError
+from moe_lc.metrics import (
+    device_memory_bytes, device_peak_flops, measured_matmul_peak, mfu, peak_memory_bytes, reset_peak_memory,
+)
+from moe_lc.metrics.breakdown import breakdown, component_ranges, idle_share
+from moe_lc.model.accounting import training_flops_per_token
+from moe_lc.train.config import TrainConfig
+from moe_lc.train.curriculum import StagePlan, plan_curriculum, total_steps
+from moe_lc.train.data import build_stage_data
+from moe_lc.train.model_setup import build_model_state
+from moe_lc.train.runtime import Runtime, init_runtime
+from moe_lc.train.step import TakenStep, run_steps
+
+GIB = 2**30
+PROFILER_WARMUP_STEPS = 1  # the profiler's own start-up cost lands in this step, which is not recorded
+PROFILED_STEPS = 1
+
+
+@dataclass
+class Profiled:
+    steps: int
+    step_time_s: float  # mean over the profiled steps (the profiler adds some overhead)
+    components_ms: dict[str, float]  # per step: kernel time on a GPU, CPU time of every thread on a CPU
+    device_idle_share: float  # share of the profiled window with no kernel or copy running (no op on a CPU)
+
+
+@dataclass
+class BenchResult:
+    recipe: str
+    stage: str
+    seq_len: int
+    global_batch_tokens: int
+    micro_batch: int
+    grad_accum: int
+    layout: str
+    world_size: int
+    device_type: str  # cuda | cpu
+    device: str
+    precision: str
+    warmup_steps: int
+    steps: int
+    step_time_s: float  # mean wall time of a timed step
+    step_times_s: list[float]  # each timed step, as the device ran it
+    tokens_per_s: float
+    tokens_per_s_per_device: float
+    keys_per_token: float
+    flops_per_token: float
+    tflops_per_device: float
+    peak_tflops_datasheet: Optional[float]
+    peak_tflops_measured: float
+    mfu: Optional[float]
+    mfu_measured_peak: float
+    peak_memory_gib: float
+    device_memory_gib: Optional[float]
+    first_loss: float
+    last_loss: float
+    profile: Optional[Profiled] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_bench(
+    cfg: TrainConfig, steps: int = 10, warmup: int = 2, profiled: bool = False, json_path: Optional[str] = None,
+    stream: Optional[TextIO] = None,
+) -> BenchResult:
+    """Bench the first stage of `cfg` that would run (set `cfg.curriculum.run` to pick another); rank 0
+    prints the report to `stream` (stdout) and writes it as JSON to `json_path`."""
+    if steps < 1 or warmup < 0:
+        raise ConfigError(f"--steps {steps} --warmup {warmup}: time one step or more (--steps N >= 1) after zero "
+                          "or more warm-up steps (--warmup W >= 0)")
+    runtime = init_runtime(cfg.device, cfg.precision, cfg.threads)
+    try:
+        result = _bench(cfg, runtime, steps, warmup, profiled)
+        if runtime.is_main:
+            print(format_bench(result), file=stream or sys.stdout)
+            if json_path:
+                path = Path(json_path)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+        return result
+    finally:
+        runtime.shutdown()
+
+
+def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled: bool) -> BenchResult:
+    device = runtime.device
+    torch.manual_seed(cfg.seed)
+    plans = plan_curriculum(cfg, runtime.world_size)
+    plan = next((p for p in plans if p.run), None)
+    if plan is None:
+        raise ConfigError("the recipe runs no stage (curriculum.run, max_steps): pick one with --stage NAME")
+    matmul_peak = measured_matmul_peak(device)  # before the model: the device is otherwise idle
+    reset_peak_memory(device)
+    state = build_model_state(cfg.model, cfg.optim, plan.layout, runtime, cfg.seed)
+    data = build_stage_data(plan, cfg.data, cfg.model.vocab_size, cfg.seed, sync=runtime.rank0_first)
+    count = warmup + steps + (PROFILER_WARMUP_STEPS + PROFILED_STEPS if profiled else 0)
+    taken_steps = run_steps(state, data, range(plan.start_step, plan.start_step + count), 0, total_steps(plans),
+                            cfg.optim, runtime)
+    with contextlib.closing(taken_steps):
+        for _ in range(warmup):
+            next(taken_steps)
+        t0 = time.perf_counter()
+        timed = [next(taken_steps) for _ in range(steps)]
+        wall = time.perf_counter() - t0
+        profile_result = _profile(taken_steps, state.model, device) if profiled else None
+    return _result(cfg, plan, runtime, timed, wall, warmup, matmul_peak, profile_result)
+
+
+def _profile(taken_steps, model: torch.nn.Module, device: torch.device) -> Profiled:
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    plan = schedule(wait=0, warmup=PROFILER_WARMUP_STEPS, active=PROFILED_STEPS, repeat=1)
+    times = []
+    with profile(activities=activities, schedule=plan) as prof, component_ranges(model):
+        for k in range(PROFILER_WARMUP_STEPS + PROFILED_STEPS):
+            taken: TakenStep = next(taken_steps)
+            if k >= PROFILER_WARMUP_STEPS:
+                times.append(taken.time_s)
+            prof.step()
+    events = prof.events()
+    per_step = {name: ms / PROFILED_STEPS for name, ms in breakdown(events, device=on_gpu).items()}
+    return Profiled(PROFILED_STEPS, sum(times) / len(times), per_step, idle_share(events, device=on_gpu))
+
+
+def _max_over_ranks(value: float, runtime: Runtime) -> float:
+    if not runtime.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=runtime.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _result(
+    cfg: TrainConfig, plan: StagePlan, runtime: Runtime, timed: list[TakenStep], wall: float, warmup: int,
+    matmul_peak: float, profiled: Optional[Profiled],
+) -> BenchResult:
+    device, world = runtime.device, runtime.world_size
+    step_time = wall / len(timed)
+    tokens_per_s = plan.global_batch_tokens / step_time
+    keys = sum(t.result.keys_per_token for t in timed) / len(timed)
+    flops_per_token = training_flops_per_token(cfg.model, plan.seq_len, keys)
+    datasheet = device_peak_flops(device, cfg.logging.cpu_peak_flops)
+    total_memory = device_memory_bytes(device)
+    return BenchResult(
+        recipe=cfg.recipe,
+        stage=plan.name,
+        seq_len=plan.seq_len,
+        global_batch_tokens=plan.global_batch_tokens,
+        micro_batch=plan.micro_batch,
+        grad_accum=plan.grad_accum,
+        layout=plan.layout.describe(),
+        world_size=world,
+        device_type=device.type,
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} thread(s))",
+        precision="bf16 autocast, fp32 weights" if runtime.compute_dtype == torch.bfloat16 else "fp32",
+        warmup_steps=warmup,
+        steps=len(timed),
+        step_time_s=step_time,
+        step_times_s=[t.time_s for t in timed],
+        tokens_per_s=tokens_per_s,
+        tokens_per_s_per_device=tokens_per_s / world,
+        keys_per_token=keys,
+        flops_per_token=flops_per_token,
+        tflops_per_device=tokens_per_s * flops_per_token / world / 1e12,
+        peak_tflops_datasheet=datasheet / 1e12 if datasheet else None,
+        peak_tflops_measured=matmul_peak / 1e12,
+        mfu=mfu(tokens_per_s, flops_per_token, datasheet, world),
+        mfu_measured_peak=mfu(tokens_per_s, flops_per_token, matmul_peak, world),
+        peak_memory_gib=_max_over_ranks(peak_memory_bytes(device), runtime) / GIB,
+        device_memory_gib=total_memory / GIB if total_memory else None,
+        first_loss=timed[0].result.loss,
+        last_loss=timed[-1].result.loss,
+        profile=profiled,
+    )
+
+
+def _rate(tflops: float) -> str:
+    return f"{tflops:,.1f} TFLOP/s" if tflops >= 1 else f"{1e3 * tflops:,.1f} GFLOP/s"
+
+
+def format_bench(r: BenchResult) -> str:
+    """The console report of a bench."""
+    def pct(x: Optional[float]) -> str:
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    datasheet = "unknown device" if r.peak_tflops_datasheet is None else _rate(r.peak_tflops_datasheet)
+    memory = f"{r.peak_memory_gib:.2f} GiB" + (f" of {r.device_memory_gib:.1f} GiB" if r.device_memory_gib else "")
+    lines = [
+        f"moe-lc bench: recipe {r.recipe}, stage {r.stage} (seq_len {r.seq_len}, {r.global_batch_tokens:,} tokens "
+        f"per step, micro-batch {r.micro_batch} x {r.grad_accum} accumulation), layout {r.layout}",
+        f"  device        {r.world_size} x {r.device}, {r.precision}",
+        f"  steps         {r.warmup_steps} warm-up + {r.steps} timed: mean {r.step_time_s:.3f} s "
+        f"(min {min(r.step_times_s):.3f}, max {max(r.step_times_s):.3f}), loss {r.first_loss:.4f} -> {r.last_loss:.4f}",
+        f"  throughput    {r.tokens_per_s:,.0f} tokens/s ({r.tokens_per_s_per_device:,.0f} per device)",
+        f"  model FLOPs   {r.flops_per_token:.4g} per token ({r.keys_per_token:,.1f} keys per query): "
+        f"{_rate(r.tflops_per_device)} per device",
+        f"  MFU           {pct(r.mfu)} of the datasheet peak ({datasheet}), {pct(r.mfu_measured_peak)} of the "
+        f"measured matmul peak ({_rate(r.peak_tflops_measured)})",
+        f"  peak memory   {memory}",
+    ]
+    if r.profile is not None:
+        p = r.profile
+        idle = "device idle" if r.device_type == "cuda" else "no op running"
+        lines.append(f"  breakdown     {p.steps} profiled step of {p.step_time_s:.3f} s, {idle} "
+                     f"{pct(p.device_idle_share)} of it")
+        step_ms = 1e3 * p.step_time_s
+        for name, ms in p.components_ms.items():
+            lines.append(f"    {name:<16} {ms:>10.1f} ms  {100 * ms / step_ms:5.1f}%")
+    return "\n".join(lines)

@@ -1,0 +1,52 @@
+"""`moe-lc bench` on CPU: the smoke recipe's first stage timed and profiled through the trainer's own
+step loop; its numbers agree with each other and with the FLOP accounting; run_dir is never
+touched; a bad stage name is one line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe_lc.metrics import device_peak_flops
+from moe_lc.model.accounting import training_flops_per_token
+from moe_lc.presets import get_preset
+from moe_lc.train.main import run_bench_cli
+
+pytestmark = pytest.mark.usefixtures("shared_corpus_cache")
+
+SMALL = ["curriculum.stages.ctx256.global_batch_tokens=1024", "curriculum.stages.ctx256.micro_batch=2", "threads=1"]
+
+
+def test_bench_of_the_smoke_recipe_times_and_profiles_its_first_stage(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    run_dir = tmp_path / "run"
+    args = ["recipe=smoke", *SMALL, f"run_dir={run_dir}", "--steps", "2", "--warmup", "1", "--profile",
+            "--json", str(out)]
+    assert run_bench_cli(args) == 0
+    printed = capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert not run_dir.exists()  # no log, no checkpoint, nothing
+    assert (r["stage"], r["seq_len"], r["global_batch_tokens"], r["grad_accum"]) == ("ctx256", 256, 1024, 2)
+    assert r["steps"] == 2 and len(r["step_times_s"]) == 2 and r["warmup_steps"] == 1
+    assert r["tokens_per_s"] == pytest.approx(1024 / r["step_time_s"], rel=1e-12)
+    assert 0 < r["keys_per_token"] <= (256 + 1) / 2  # documents end at the sequence end or before
+    flops = training_flops_per_token(get_preset("tiny"), 256, r["keys_per_token"])
+    assert r["flops_per_token"] == pytest.approx(flops, rel=1e-12)
+    assert r["tflops_per_device"] == pytest.approx(r["tokens_per_s"] * flops / 1e12, rel=1e-12)
+    peak = device_peak_flops(__import__("torch").device("cpu"))
+    assert r["mfu"] == pytest.approx(r["tokens_per_s"] * flops / peak, rel=1e-9)
+    assert r["mfu_measured_peak"] == pytest.approx(r["tflops_per_device"] / r["peak_tflops_measured"], rel=1e-9)
+    assert r["peak_memory_gib"] > 0 and r["device_memory_gib"] is None
+    profiled = r["profile"]
+    for component in ("kda", "mla", "router_dispatch", "experts", "shared_experts", "loss", "optimizer", "data"):
+        assert profiled["components_ms"].get(component, 0.0) > 0.0, (component, profiled["components_ms"])
+    assert 0.0 <= profiled["device_idle_share"] < 1.0
+    for line in ("tokens/s", "MFU", "measured matmul peak", "peak memory", "breakdown", "experts"):
+        assert line in printed, line
+
+
+def test_an_unknown_stage_is_one_line_naming_the_stages(capsys):
+    assert run_bench_cli(["smoke", "--stage", "ctx2k", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "ctx2k" in err and "ctx256, ctx1k, ctx4k, ctx16k" in err
