@@ -37,7 +37,7 @@ _FACTORIZED_SPAN_LIMIT = {torch.float32: 81.0, torch.float64: 600.0}
 
 # ----------------------------------------------------------------------------- layout
 @dataclass(frozen=True)
-class _ChunkLayout:
+class _ChunkTable:
     """Where every token goes once each document is padded to a multiple of the chunk size.
 
     Every row (batch element) has the same document structure: one document spanning the row
@@ -53,7 +53,7 @@ class _ChunkLayout:
     num_chunks: int
 
     @staticmethod
-    def build(seq_len: int, bounds: Sequence[int] | None, chunk: int, device: torch.device) -> "_ChunkLayout":
+    def build(seq_len: int, bounds: Sequence[int] | None, chunk: int, device: torch.device) -> "_ChunkTable":
         """From the host boundaries (None: one document per row); index tables copied to ``device``."""
         cu = torch.tensor([0, seq_len] if bounds is None else list(bounds), dtype=torch.long)
         lengths = cu[1:] - cu[:-1]
@@ -71,7 +71,7 @@ class _ChunkLayout:
 
         first = (padded_starts // chunk).tolist()
         last = ((padded_starts + padded) // chunk - 1).tolist()
-        return _ChunkLayout(
+        return _ChunkTable(
             gather_index=gather_index.to(device),
             scatter_index=scatter_index.to(device),
             start_chunk={c: n for n, c in enumerate(first)},
@@ -190,7 +190,7 @@ def chunk_kda_torch(
         raise ValueError("chunk_kda: g is a log-decay and must be <= 0 everywhere; use kda_gate to produce it")
     rows, seq_len, heads, key_dim = k.shape
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    layout = _ChunkLayout.build(seq_len, None if docs is None else docs.host, CHUNK_SIZE, q.device)
+    layout = _ChunkTable.build(seq_len, None if docs is None else docs.host, CHUNK_SIZE, q.device)
 
     q, k, v, g = (layout.to_chunks(t.to(compute), CHUNK_SIZE) for t in (q, k, v, g))
     q = q * scale
