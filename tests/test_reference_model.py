@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+import configs
 import reference_math as ref
 from moe_lc.model.init import build_model
 from moe_lc.model.moe import LatentMoE
@@ -22,16 +23,8 @@ VOCAB = 500  # padded to 512 rows: the padding rows must never be scored
 
 
 def tiny(**overrides):
-    cfg = get_preset("tiny")
-    cfg.vocab_size = VOCAB
-    cfg.mtp = True
-    for key, value in overrides.items():
-        obj = cfg
-        *path, last = key.split(".")
-        for part in path:
-            obj = getattr(obj, part)
-        setattr(obj, last, value)
-    return cfg.validate()
+    """The tiny preset with a padded vocabulary and the MTP layer."""
+    return configs.tiny(**{"vocab_size": VOCAB, "mtp": True, **overrides})
 
 
 def reference_model(cfg, seed=0):
@@ -158,7 +151,7 @@ def test_initialisation_statistics():
                                                           "w_gate", "w_in", "w_out", "lm_head.weight",
                                                           "k_shared.weight", "gate_proj.0.weight")):
             groups["output" if leaf in out_names else "projection"].append(p.detach().flatten())
-    std = {"projection": cfg.init_std, "output": cfg.init_std / math.sqrt(2 * cfg.num_layers)}
+    std = {"projection": 0.02, "output": 0.02 / math.sqrt(2 * cfg.num_layers)}
     for group, tensors in groups.items():
         values = torch.cat(tensors).double()
         n, sigma = values.numel(), std[group]
