@@ -281,7 +281,8 @@ class Trainer:
             )
         mine = self.cfg.model.to_dict()
         theirs = saved.get("model", {})
-        ignore = {"name", "kda.backend"}
+        # mla.fp32_output: a removed option that changed no weights (older checkpoints still carry it)
+        ignore = {"name", "kda.backend", "mla.fp32_output"}
         diffs = [
             f"{k}: checkpoint {theirs_v!r} vs now {mine_v!r}"
             for k, theirs_v, mine_v in _flat_diff(theirs, mine)
@@ -383,7 +384,7 @@ class Trainer:
 
         rep = count_parameters(self.cfg.model)
         start = f"resuming at step {position.step}" if resume else f"fresh start (seed {self.cfg.seed})"
-        dtype = "bf16 autocast, fp32 weights" if rt.compute_dtype == torch.bfloat16 else "fp32"
+        dtype = {torch.bfloat16: "bf16 autocast, fp32 weights", torch.float64: "fp64"}.get(rt.compute_dtype, "fp32")
         return (
             f"moe-lc train: recipe {self.cfg.recipe}, model {self.cfg.model.name} ({rep.total:,} params, "
             f"{rep.active:,} active), {len(self.plans)} stages / {self.total} steps, device {rt.device} x "
