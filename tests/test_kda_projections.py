@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import moe_lc_kernels.kda as kernels
 import reference_math as ref
 from moe_lc.ops import kda, kda_projections
 from moe_lc.ops.kda import register_kda_backend
@@ -92,6 +91,9 @@ def test_auto_prefers_triton_then_fla(spies, monkeypatch):
     (-5.0, 24, False, "torch"),
 ])
 def test_triton_hands_what_it_cannot_take_to_fla_or_torch(monkeypatch, lower_bound, dim, fla_installed, expected):
+    # imported here, not at the top: the kernel tests set TRITON_INTERPRET before Triton is first imported
+    import moe_lc_kernels.kda as kernels
+
     calls = []
     monkeypatch.setattr(kernels, "chunk_kda_fused", lambda q, k, v, *a, **kw: calls.append("kernel") or (v, None))
     monkeypatch.setattr(kda_projections, "_fla", lambda q, k, v, *a: calls.append("fla") or (v, None))
