@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
 
 import configs
 from moe_lc.cli import main as cli_main
@@ -67,6 +66,10 @@ def counted_flops(cfg, seq_len: int) -> tuple[int, int]:
     """(matmul FLOPs, MLA attention FLOPs) that FlopCounterMode counts in one real forward + backward of
     the model on one sequence (float64 on CPU; the math SDPA kernel runs attention as the batched matmuls
     QK^T and AV over all T x T pairs, masked afterwards)."""
+    # imported here, not at the top: it imports Triton, which the kernel tests must first import themselves
+    # (after setting TRITON_INTERPRET)
+    from torch.utils.flop_counter import FlopCounterMode
+
     model = build_model(cfg, seed=0).double()
     ids = torch.randint(0, cfg.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(seq_len))
     with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
