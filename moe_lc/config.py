@@ -52,7 +52,6 @@ class MLAConfig:
     qk_rope_dim: int = 64  # the shared-key part; kept for layout compatibility, never rotated
     v_dim: int = 128
     gate: bool = True  # sigmoid output gate (Gated Attention)
-    fp32_output: bool = True  # keep the attention output in fp32
 
     @property
     def qk_dim(self) -> int:

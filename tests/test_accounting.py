@@ -6,9 +6,11 @@ import json
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import configs
 from moe_lc.cli import main as cli_main
-from moe_lc.model.accounting import count_parameters, training_flops_per_token
+from moe_lc.model.accounting import count_parameters, matmul_parameters, training_flops_per_token
 from moe_lc.model.init import build_model
 from moe_lc.model.moe import RoutedExperts
 from moe_lc.presets import PRESETS, get_preset
@@ -56,12 +58,54 @@ def test_published_sizes(preset, total, active, tol_active):
 def test_training_flops_follow_six_n_plus_attention():
     cfg = get_preset("k3")
     rep = count_parameters(cfg)
-    short, long = training_flops_per_token(cfg, 4096), training_flops_per_token(cfg, 65536)
-    assert 6 * rep.active * 0.95 < short < 6 * rep.active * 1.3
-    # MLA cost grows linearly with context, KDA does not: exactly the MLA term's slope
-    m = cfg.mla
-    slope = 3 * 2 * m.num_heads * (m.qk_dim + m.v_dim) * 0.5 * cfg.pattern.count("M")
-    assert long - short == pytest.approx(slope * (65536 - 4096), rel=1e-9)
+    short = training_flops_per_token(cfg, 4096)
+    assert 6 * rep.active * 0.95 < short < 6 * rep.active * 1.3  # at 4K the matmuls dominate
+
+
+def counted_flops(cfg, seq_len: int) -> tuple[int, int]:
+    """(matmul FLOPs, MLA attention FLOPs) that FlopCounterMode counts in one real forward + backward of
+    the model on one sequence (float64 on CPU; the math SDPA kernel runs attention as the batched matmuls
+    QK^T and AV over all T x T pairs, masked afterwards)."""
+    # imported here, not at the top: it imports Triton, which the kernel tests must first import themselves
+    # (after setting TRITON_INTERPRET)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = build_model(cfg, seed=0).double()
+    ids = torch.randint(0, cfg.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(seq_len))
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        model(ids, ids).loss.backward()
+    counts = counter.get_flop_counts()
+    mla = sum(counts[f"MoELCModel.layers.{i}.attn"].get(torch.ops.aten.bmm, 0)
+              for i, kind in enumerate(cfg.pattern) if kind == "M")
+    return counts["Global"][torch.ops.aten.mm], mla
+
+
+def counted_per_token(cfg, seq_len: int) -> tuple[float, float]:
+    """Counted (matmul, causal MLA) training FLOPs per token: causal softmax needs the T(T+1)/2 pairs
+    with key <= query of the T^2 that the math kernel multiplies."""
+    mm, mla_full = counted_flops(cfg, seq_len)
+    assert mm == 6 * matmul_parameters(cfg) * seq_len  # 6 FLOPs per matmul parameter and token, exactly
+    causal_share = torch.ones(seq_len, seq_len).tril().sum().item() / seq_len**2
+    return mm / seq_len, mla_full * causal_share / seq_len
+
+
+@pytest.mark.parametrize("seq_len", [128, 200])
+def test_training_flops_of_an_attention_model_are_its_counted_flops(seq_len):
+    """Without KDA layers the accounting is exactly what a real forward + backward multiplies."""
+    cfg = configs.tiny(layer_pattern="MMMMM", **{"mla.v_dim": 24})  # v as wide as q, k: CPU SDPA pads a narrower v
+    matmuls, attention = counted_per_token(cfg, seq_len)
+    assert training_flops_per_token(cfg, seq_len) == pytest.approx(matmuls + attention, rel=1e-12)
+
+
+def test_kda_flops_do_not_grow_with_context():
+    """With KDA layers the rest of the accounting (KDA's chunked recurrence, an estimate of the kernels'
+    work) is the same at every context length: only attention grows."""
+    cfg = configs.tiny(**{"mla.v_dim": 24})
+    rest = []
+    for seq_len in (128, 256):
+        matmuls, attention = counted_per_token(cfg, seq_len)
+        rest.append(training_flops_per_token(cfg, seq_len) - matmuls - attention)
+    assert rest[0] > 0 and rest[1] == pytest.approx(rest[0], rel=1e-12)
 
 
 def test_info_cli_json(capsys):

@@ -30,6 +30,7 @@ from moe_lc.optim import (
     rms_matching_scale,
     warmup_steps,
 )
+from moe_lc.parallel.tensor_parallel import VocabParallelEmbedding, VocabParallelLMHead
 from moe_lc.optim.muon import shard_holds_whole_blocks
 from moe_lc.optim.newton_schulz import QUINTIC
 from moe_lc.presets import get_preset
@@ -264,6 +265,18 @@ def test_roles_on_the_tiny_model():
             assert params[name].shape[r.head_axis] == n_heads * r.head_dim, name
     flat = {r.name: r for r, _ in parameter_roles(model, per_head=False)}
     assert all(r.head_dim == 0 for r in flat.values())
+
+
+def test_roles_survive_the_vocabulary_parallel_embedding_and_head():
+    """Tensor parallelism swaps the embedding and the LM head for modules of its own: they keep their
+    roles (AdamW with weight decay). A checkpoint of another layout loads group settings by parameter,
+    so one misplaced parameter would hand its group's weight decay to every other member."""
+    model = build_model(get_preset("tiny"))
+    before = [(role.name, role.decay, role.muon) for role, _ in parameter_roles(model)]
+    model.embed = VocabParallelEmbedding(model.embed.weight, group=None)
+    model.lm_head = VocabParallelLMHead(model.lm_head.weight, group=None)
+    after = {(role.name, role.decay, role.muon) for role, _ in parameter_roles(model)}
+    assert after == set(before)
 
 
 def test_head_tags_follow_low_rank_gate_and_direct_q():

@@ -136,11 +136,29 @@ def mixing_flops_per_token(cfg: ModelConfig, seq_len: int, keys_per_token: Optio
     return n_mla * mla + n_kda * kda
 
 
+def _elementwise_params(cfg: ModelConfig, kind: str, moe: bool) -> int:
+    """Parameters of one decoder layer that scale or shift activations instead of entering a matmul:
+    KDA's conv taps, decay bias, A and output norm; MLA's q and kv norms; the latent norm of LatentMoE."""
+    k, m = cfg.kda, cfg.mla
+    if kind == "K":
+        inner = k.num_heads * k.head_dim
+        mixer = 3 * inner * k.conv_size + inner + k.num_heads + k.head_dim
+    else:
+        mixer = (m.q_lora_rank or 0) + m.kv_lora_rank
+    latent_norm = (cfg.moe.latent_dim or 0) if moe else 0
+    return mixer + latent_norm
+
+
+def matmul_parameters(cfg: ModelConfig) -> int:
+    """Active parameters that multiply activations in a matmul: 2 FLOPs per token each, forward."""
+    rep = count_parameters(cfg)
+    elementwise = sum(_elementwise_params(cfg, kind, not cfg.is_dense_layer(i)) for i, kind in enumerate(cfg.pattern))
+    return rep.active - rep.active_by_component["norms_and_attn_res"] - elementwise
+
+
 def training_flops_per_token(cfg: ModelConfig, seq_len: int, keys_per_token: Optional[float] = None) -> float:
     """Forward + backward FLOPs per token: 3 x (2 x active matmul params + token mixing).
 
     keys_per_token as in :func:`mixing_flops_per_token` (None: one document per sequence).
     """
-    rep = count_parameters(cfg)
-    matmul_active = rep.active - rep.active_by_component["norms_and_attn_res"]
-    return 3.0 * (2.0 * matmul_active + mixing_flops_per_token(cfg, seq_len, keys_per_token))
+    return 3.0 * (2.0 * matmul_parameters(cfg) + mixing_flops_per_token(cfg, seq_len, keys_per_token))

@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from moe_lc.model.precision import upcast
+
 BALANCING_MODES = ("qb", "sign", "aux", "none")
 
 
@@ -70,18 +72,19 @@ def _check_scores(scores: Tensor, bias: Optional[Tensor] = None) -> None:
 def route_with_cutoff(scores: Tensor, bias: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
     """Top-k experts of ``scores + bias`` and each token's cutoff, the (k+1)-th biased score.
 
-    Returns ``(topk_idx [m, k] long, cutoff [m] fp32)``. No gradient flows: the bias selects only.
+    Returns ``(topk_idx [m, k] long, cutoff [m])``, computed in at least fp32 (fp64 scores stay fp64, so
+    that a float64 run routes as finely as it computes). No gradient flows: the bias selects only.
     """
     _check_scores(scores, bias)
     _check_top_k(scores.shape[1], top_k)
-    biased = scores.detach().float() + bias.detach().float()
+    biased = upcast(scores.detach()) + upcast(bias.detach())
     values, idx = biased.topk(top_k + 1, dim=-1)
     return idx[:, :top_k], values[:, top_k]
 
 
 def required_bias(scores: Tensor, cutoff: Tensor) -> Tensor:
     """r_ij = alpha_i - s_ij: the smallest bias with which expert j would beat token i's cutoff."""
-    return cutoff.detach().float()[:, None] - scores.detach().float()
+    return upcast(cutoff.detach())[:, None] - upcast(scores.detach())
 
 
 def target_rank(num_tokens: int | Tensor, top_k: int, num_experts: int) -> int | Tensor:
@@ -348,7 +351,7 @@ class ExpertBalancer(nn.Module):
             else:
                 self._step_required.append(required)
         else:
-            topk_idx = (scores.detach().float() + self.bias).topk(self.top_k, dim=-1).indices
+            topk_idx = (upcast(scores.detach()) + self.bias).topk(self.top_k, dim=-1).indices
         if accumulate:
             self.step_loads += expert_loads(topk_idx, self.num_experts)
         return topk_idx

@@ -17,7 +17,6 @@ from torch import nn
 
 from moe_lc.config import MLAConfig
 from moe_lc.model.norm import RMSNorm
-from moe_lc.model.precision import upcast
 from moe_lc.ops.attention import causal_document_attention
 from moe_lc.ops.documents import DocumentBounds
 
@@ -59,9 +58,7 @@ class GatedMLA(nn.Module):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale,
             mask=docs.attention_mask if docs is not None else None,
         ).transpose(1, 2)  # [B, T, H, v_dim]
-        if c.fp32_output:
-            o = upcast(o)
         o = o.reshape(B, T, H * c.v_dim)
         if self.gate_proj is not None:
-            o = torch.sigmoid(self.gate_proj(x).to(o.dtype)) * o
-        return self.o_proj(o.to(self.o_proj.weight.dtype))
+            o = torch.sigmoid(self.gate_proj(x)) * o
+        return self.o_proj(o)

@@ -7,6 +7,8 @@ from typing import Iterable
 
 import torch
 
+from moe_lc.model.precision import upcast
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover
@@ -22,7 +24,8 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, foreach: boo
 
     Gradients are reduced per device mesh (experts and dense weights may be sharded over
     different meshes, which one `clip_grad_norm_` call cannot combine), then the squared
-    norms are summed. max_norm <= 0 or inf only measures. Returns a float32 scalar tensor.
+    norms are summed. max_norm <= 0 or inf only measures. Returns a scalar tensor in at least fp32
+    (fp64 for fp64 gradients, so that float64 runs clip as exactly as they compute).
     """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
@@ -36,9 +39,10 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, foreach: boo
         norm = torch.nn.utils.get_total_norm(group, 2.0, foreach=foreach)
         if DTensor is not None and isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        squares.append(norm.float().square())
+        squares.append(upcast(norm).square())
     device = squares[0].device
-    total = torch.stack([s.to(device) for s in squares]).sum().sqrt()
+    dtype = torch.float64 if any(s.dtype == torch.float64 for s in squares) else torch.float32
+    total = torch.stack([s.to(device, dtype) for s in squares]).sum().sqrt()
     if 0 < max_norm < math.inf:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         # every shard scales by the same global factor; local tensors keep DTensor dispatch out of the way

@@ -1,7 +1,8 @@
 """Which parameter gets which update rule and weight decay.
 
 The rule, by module type (so it follows wrapped / sharded modules, whose classes subclass
-the originals):
+the originals), and for the model's `embed` and `lm_head` by name (tensor parallelism replaces
+those two modules with vocabulary-parallel ones of its own):
 
 * Hidden matrices -- `nn.Linear` weights other than the LM head, and the stacked routed-expert
   weights [E, out, in] -- are Muon's (when Muon is used) and get weight decay.
@@ -83,7 +84,7 @@ def parameter_roles(model: nn.Module, per_head: bool = True) -> list[tuple[Param
             seen.add(id(p))
             name = f"{module_name}.{param_name}" if module_name else param_name
             leaf = module_name.rsplit(".", 1)[-1]
-            if isinstance(module, nn.Embedding) or (isinstance(module, nn.Linear) and leaf == "lm_head"):
+            if isinstance(module, nn.Embedding) or leaf in ("embed", "lm_head"):
                 role = ParamRole(name, muon=False, decay=param_name == "weight")
             elif isinstance(module, nn.Linear) and param_name == "weight":
                 head_dim, axis = heads_of.get(id(p), (0, ROWS))

@@ -77,7 +77,8 @@ def build_model_state(
     from moe_lc.model.init import build_model
 
     layout.validate(model_cfg, runnable=True)  # before building anything: pp/cp > 1 are only planned so far
-    model = build_model(model_cfg, device=runtime.device, seed=seed, dtype=torch.float32)
+    weights = torch.float64 if runtime.compute_dtype == torch.float64 else torch.float32
+    model = build_model(model_cfg, device=runtime.device, seed=seed, dtype=weights)
     if runtime.world_size == 1:
         if layout.world_size != 1:
             raise ConfigError(f"the layout needs {layout.world_size} ranks but this is a single process")

@@ -29,7 +29,8 @@ from moe_lc.train.recipes import config_to_dict
 # 2: each expert balancer's extra state is saved as its dict of tensors (1 packed it into one tensor)
 CHECKPOINT_FORMAT = 2
 # Model fields that may change between a checkpoint and the run that loads it.
-MODEL_FIELDS_FREE_TO_CHANGE = {"name", "kda.backend"}
+# mla.fp32_output: a removed option that changed no weights (checkpoints written before its removal carry it)
+MODEL_FIELDS_FREE_TO_CHANGE = {"name", "kda.backend", "mla.fp32_output"}
 
 
 @dataclass

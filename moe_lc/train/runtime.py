@@ -26,7 +26,7 @@ class Runtime:
     world_size: int
     local_rank: int
     device: torch.device
-    compute_dtype: torch.dtype  # bf16 (autocast over fp32 weights) or fp32
+    compute_dtype: torch.dtype  # bf16 (autocast over fp32 weights), fp32, or fp64 (float64 weights)
     started_process_group: bool
 
     @property
@@ -82,7 +82,9 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
     if precision == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    # fp64: float64 weights and compute, so that runs under different layouts or batch splits can be
+    # compared far below the size of any real error (tests; slow)
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}[precision]
 
 
 def init_runtime(device: str = "auto", precision: str = "auto", threads: Optional[int] = None) -> Runtime:

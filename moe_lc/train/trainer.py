@@ -256,7 +256,7 @@ class Trainer:
         cfg, rt = self.cfg, self.runtime
         rep = count_parameters(cfg.model)
         start = f"resuming at step {position.step}" if self.start.resume else f"fresh start (seed {cfg.seed})"
-        dtype = "bf16 autocast, fp32 weights" if rt.compute_dtype == torch.bfloat16 else "fp32"
+        dtype = {torch.bfloat16: "bf16 autocast, fp32 weights", torch.float64: "fp64"}.get(rt.compute_dtype, "fp32")
         return (
             f"moe-lc train: recipe {cfg.recipe}, model {cfg.model.name} ({rep.total:,} params, "
             f"{rep.active:,} active), {len(self.plans)} stages / {self.total} steps, device {rt.device} x "
