@@ -56,12 +56,12 @@ def storage_error(err: OSError, path: PathLike, doing: str, fix: str = "") -> St
 
 def check_path(path: PathLike, setting: str) -> Path:
     """`path` as a Path; a StorageError now (not a ValueError deep inside open) for one no filesystem
-    can hold, such as a NUL byte."""
-    if "\0" in os.fspath(path):
-        raise StorageError(
-            errno.EINVAL, f"{setting}={os.fspath(path)!r} contains a NUL byte, which no path can hold; "
-            f"set {setting} to a plain path", os.fspath(path).replace("\0", "\\0"),
-        )
+    can hold, such as one with a NUL byte. `setting` names what sets the path (e.g. "run_dir")."""
+    text = os.fspath(path)
+    if "\0" in text:
+        shown = text.replace("\0", "\\0")
+        raise StorageError(errno.EINVAL, f"{setting}: {shown} contains a NUL byte, which no path can hold; "
+                           "use a plain path", shown)
     return Path(path)
 
 

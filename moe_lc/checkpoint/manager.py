@@ -146,7 +146,7 @@ class CheckpointManager:
     def __init__(self, root: PathLike, keep_last: Optional[int] = 3, async_save: bool = False) -> None:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None (keep all), got {keep_last!r}")
-        self.root = storage.check_path(root, "checkpoint.dir")
+        self.root = storage.check_path(root, "the checkpoint root (run_dir, checkpoint.dir)")
         self.keep_last = keep_last
         self.async_save = bool(async_save)
         self._coordinator = co.Coordinator()
@@ -268,13 +268,14 @@ class CheckpointManager:
         root; a directory holding step_* checkpoints: the same under it. In both cases a
         checkpoint that fails its check is rejected (listed in the result) and the next older
         one is tried; Selection.path is None when none passes. A checkpoint directory: that
-        one, or CheckpointCorruptError naming the damaged file and the previous valid checkpoint.
+        one, or CheckpointCorruptError naming the damaged file and the previous valid checkpoint
+        (StorageError for a file that cannot be read).
         """
         kind, target = self._coordinator.rank0_decides(lambda: self._locate(path))
         if kind == "checkpoint":
             try:
                 self.verify(target)
-            except _CHECK_FAILURES as err:
+            except CheckpointCorruptError as err:
                 raise CheckpointCorruptError(_corrupt_message(target, str(err))) from err
             return Selection(target)
         rejected: list[Rejected] = []
@@ -480,7 +481,7 @@ class CheckpointManager:
             return err
         previous = self.checkpoints()
         kept = f"; nothing was published, {previous[-1].name} is intact" if previous else ""
-        failure = storage.storage_error(cause, temp_dir, f"write checkpoint step {step}", _MOVE_HINT)
+        failure = storage.storage_error(cause, self.root, f"write checkpoint step {step}", _MOVE_HINT)
         return StorageError(failure.errno, f"{failure}{kept}", failure.filename)
 
     def _publish(self, temp_dir: Path, final_dir: Path, step: int) -> Path:
