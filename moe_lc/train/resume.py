@@ -23,6 +23,7 @@ layout, model, tokenizer and the whole config that wrote it.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -162,7 +163,8 @@ def find_start(cfg: TrainConfig, checkpoints: CheckpointManager) -> Start:
             notes = [f"resume=fresh: starting over at step 0 in {cfg.run_dir}, which holds {' and '.join(history)}"]
             notes += _moved_note(checkpoints.set_aside(None, "fresh"))
         return Start(RunPosition(), init=init, warning="; ".join(notes) or None)
-    found = checkpoints.select(None if mode == "auto" else mode)
+    with warnings.catch_warnings(record=True) as caught:  # a bad `latest`, an old manifest: for the run's log
+        found = checkpoints.select(None if mode == "auto" else mode)
     if found.path is None:
         if found.rejected:
             raise CheckpointCorruptError(no_valid_checkpoint_message(checkpoints.root, found.rejected))
@@ -175,7 +177,8 @@ def find_start(cfg: TrainConfig, checkpoints: CheckpointManager) -> Start:
         return Start(RunPosition(), init=_init_checkpoint(cfg))
     saved = read_trainer_state(found.path)
     check_compatible(saved, cfg, found.path)
-    notes = [f"checkpoint {r.path.name} rejected ({r.reason}); resuming from {found.path}" for r in found.rejected]
+    notes = [str(w.message) for w in caught]
+    notes += [f"checkpoint {r.path.name} rejected ({r.reason}); resuming from {found.path}" for r in found.rejected]
     notes += _moved_note(checkpoints.set_aside(found.path, "superseded", [r.path for r in found.rejected]))
     return Start(saved.position, resume=found.path, warning="; ".join(notes) or None)
 
