@@ -157,7 +157,7 @@ def find_start(cfg: TrainConfig, checkpoints: CheckpointManager) -> Start:
             "over with resume=fresh (nothing is deleted), or start a new one in another run_dir=..."
         )
     if mode in ("none", "fresh"):
-        init = _init_checkpoint(cfg)
+        init = _init_checkpoint(cfg, checkpoints)
         notes = []
         if mode == "fresh" and history:
             notes = [f"resume=fresh: starting over at step 0 in {cfg.run_dir}, which holds {' and '.join(history)}"]
@@ -167,14 +167,14 @@ def find_start(cfg: TrainConfig, checkpoints: CheckpointManager) -> Start:
         found = checkpoints.select(None if mode == "auto" else mode)
     if found.path is None:
         if found.rejected:
-            raise CheckpointCorruptError(no_valid_checkpoint_message(checkpoints.root, found.rejected))
+            raise CheckpointCorruptError(no_valid_checkpoint_message(found.rejected[0].path.parent, found.rejected))
         if history:
             raise ConfigError(
                 f"{cfg.run_dir} holds {' and '.join(history)} but no checkpoint to resume; start the run over "
                 "there with resume=fresh (the old records are kept, the new launch's appended), or use another "
                 "run_dir=..."
             )
-        return Start(RunPosition(), init=_init_checkpoint(cfg))
+        return Start(RunPosition(), init=_init_checkpoint(cfg, checkpoints))
     saved = read_trainer_state(found.path)
     check_compatible(saved, cfg, found.path)
     notes = [str(w.message) for w in caught]
@@ -183,16 +183,16 @@ def find_start(cfg: TrainConfig, checkpoints: CheckpointManager) -> Start:
     return Start(saved.position, resume=found.path, warning="; ".join(notes) or None)
 
 
-def _init_checkpoint(cfg: TrainConfig) -> Optional[Path]:
-    """The checkpoint named by init_from (checked like a resume), or None."""
+def _init_checkpoint(cfg: TrainConfig, checkpoints: CheckpointManager) -> Optional[Path]:
+    """The checkpoint named by init_from, checked like a resume (by the launch's manager, which
+    then loads it without hashing it again), or None."""
     if cfg.init_from is None:
         return None
-    init_root = Path(cfg.init_from)
-    init = CheckpointManager(init_root.parent if init_root.name.startswith("step_") else init_root).select(
-        cfg.init_from
-    ).path
-    if init is None:
-        raise ConfigError(f"init_from={cfg.init_from} holds no valid checkpoint; pass a checkpoint directory")
+    found = checkpoints.select(cfg.init_from)
+    if found.path is None:
+        reasons = "; ".join(f"{r.path.name}: {r.reason}" for r in found.rejected)
+        raise ConfigError(f"init_from={cfg.init_from} holds no valid checkpoint ({reasons}); pass a good checkpoint")
+    init = found.path
     check_compatible(read_trainer_state(init), cfg, init)
     return init
 
