@@ -118,7 +118,8 @@ def test_a_checkpoint_is_hashed_once_per_launch(tmp_path, monkeypatch):
     monkeypatch.setattr(ondisk, "file_digest", lambda path: hashed.append(Path(path).name) or real(path))
     manager = CheckpointManager(tmp_path)
     manager.select("latest")
-    assert sorted(hashed) == sorted(Path(rel).name for rel in json.loads((tmp_path / "step_00000002/COMPLETE").read_text())["files"])
+    listed = json.loads((tmp_path / "step_00000002/COMPLETE").read_text())["files"]
+    assert sorted(hashed) == sorted(Path(rel).name for rel in listed)
     hashed.clear()
     manager.load("latest", _model(0))  # checked by select a moment ago: not hashed again
     manager.save(3, {"model": _model(3)})
@@ -135,7 +136,7 @@ def test_a_version_1_checkpoint_loads_with_its_tensor_files_checked_by_size(tmp_
     ckpt = tmp_path / "step_00000001"
     files = {}
     for rel, entry in json.loads((ckpt / "COMPLETE").read_text())["files"].items():
-        files[rel] = {"size": entry["size"]} if rel.endswith(".distcp") else {"size": entry["size"], "sha256": entry["sha256"]}
+        files[rel] = {"size": entry["size"]} if rel.endswith(".distcp") else {k: entry[k] for k in ("size", "sha256")}
     legacy = {"format": "moe-lc-checkpoint", "version": 1, "step": 1, "world_size": 1, "files": files}
     (ckpt / "COMPLETE").write_text(json.dumps(legacy, indent=1, sort_keys=True))
     loaded = _model(9)

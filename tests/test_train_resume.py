@@ -79,7 +79,8 @@ def _losses(run_dir: Path) -> dict[int, float]:
     """The run's losses as trained; metrics.jsonl itself holds every launch's records, each
     launch's steps strictly increasing from the step it started at."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    starts = {r["launch"]: r["start_step"] for r in map(json.loads, (run_dir / "launches.jsonl").read_text().splitlines())}
+    launches = (run_dir / "launches.jsonl").read_text().splitlines()
+    starts = {r["launch"]: r["start_step"] for r in map(json.loads, launches)}
     for launch, start in starts.items():
         steps = [r["step"] for r in records if r["launch"] == launch]
         assert steps == list(range(start + 1, start + 1 + len(steps))), f"launch {launch} logged steps {steps}"

@@ -87,7 +87,8 @@ def test_step_and_eval_records_are_appended_and_read_as_trained(tmp_path):
         _write_steps(log, range(1, 5))
         log.eval({"step": 4, "stage": "ctx256", "loss": 1.5})
     first = log.launch
-    assert [(r["step"], r["launch"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [(s, first) for s in range(1, 5)]
+    assert [(r["step"], r["launch"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [(1, first), (2, first),
+                                                                                      (3, first), (4, first)]
     assert read_jsonl(tmp_path / "eval.jsonl") == [{"step": 4, "stage": "ctx256", "loss": 1.5, "launch": first}]
     assert json.loads((tmp_path / "config.json").read_text())["run_dir"] == str(tmp_path)
     # resumed from step 2: the redone step 3 is appended; the report reads the run as trained
@@ -97,7 +98,8 @@ def test_step_and_eval_records_are_appended_and_read_as_trained(tmp_path):
     assert second != first
     raw = [(r["step"], r["loss"], r["launch"]) for r in read_jsonl(tmp_path / "metrics.jsonl")]
     assert raw == [(1, 2.0, first), (2, 1.0, first), (3, 2.0 / 3, first), (4, 0.5, first), (3, 9.0, second)]
-    assert [(r["launch"], r["start_step"]) for r in read_jsonl(tmp_path / "launches.jsonl")] == [(first, 0), (second, 2)]
+    launches = read_jsonl(tmp_path / "launches.jsonl")
+    assert [(r["launch"], r["start_step"]) for r in launches] == [(first, 0), (second, 2)]
     run = load_run(tmp_path)
     assert [(r["step"], r["loss"]) for r in run.steps] == [(1, 2.0), (2, 1.0), (3, 9.0)]
     assert sorted(r["step"] for r in run.redone) == [3, 4] and run.evals == [] and run.launches == [first, second]

@@ -222,13 +222,17 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
         manifest = json.loads(raw)
     except ValueError as err:  # also bytes that are not UTF-8
         raise CheckpointCorruptError(f"{marker} is unreadable ({err})") from err
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+    if (
+        not isinstance(manifest, dict) or manifest.get("format") != FORMAT
+        or not isinstance(manifest.get("files"), dict)
+    ):
         raise CheckpointCorruptError(f"{marker} is not a {FORMAT} manifest")
     if manifest.get("version") == 1 and MANIFEST_DIGEST not in manifest:
         return manifest
     if manifest.get("version") != FORMAT_VERSION:
         raise CheckpointCorruptError(
-            f"{marker} has manifest version {manifest.get('version')!r}; this moe-lc reads versions 1 and {FORMAT_VERSION}"
+            f"{marker} has manifest version {manifest.get('version')!r}; "
+            f"this moe-lc reads versions 1 and {FORMAT_VERSION}"
         )
     if raw != encode_manifest(manifest):
         raise CheckpointCorruptError(f"{marker} does not match its own checksum: it was altered after it was written")
