@@ -4,11 +4,13 @@ and a checkpoint of another model or tokenizer."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch.distributed
 
+from moe_lc.report import load_run
 from moe_lc.train.main import run_train_cli
 
 ONE_STEP = [
@@ -81,8 +83,6 @@ def test_corrupt_checkpoint_is_refused_with_the_previous_one_suggested(capsys, t
     ckpt = trained / "checkpoints" / "step_00000002"
     victim = max(ckpt.rglob("*.distcp"), key=lambda p: p.stat().st_size)
     copy = tmp_path / "copy"
-    import shutil
-
     shutil.copytree(trained / "checkpoints", copy)
     bad = copy / "step_00000002" / victim.relative_to(ckpt)
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])  # truncated tensor file
@@ -103,7 +103,23 @@ def test_resume_refuses_another_model_or_tokenizer(capsys, trained):
 
 def test_fresh_start_over_existing_checkpoints_is_refused(capsys, trained):
     err = _fails(capsys, *ONE_STEP, f"run_dir={trained}", "resume=none")
-    assert "resume=auto" in err and "run_dir" in err
+    assert "resume=auto" in err and "run_dir" in err and "resume=fresh" in err
+
+
+def test_resume_fresh_starts_over_and_keeps_everything(capsys, trained, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    old_records = (run_dir / "metrics.jsonl").read_text()
+    old_checkpoints = {p.name: (p / "COMPLETE").read_bytes() for p in (run_dir / "checkpoints").glob("step_*")}
+    assert run_train_cli([*ONE_STEP, f"run_dir={run_dir}", "resume=fresh", "checkpoint.every=1"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: resume=fresh: starting over at step 0" in out and "fresh start" in out
+    (aside,) = (run_dir / "checkpoints" / "set-aside").iterdir()
+    assert {p.name: (p / "COMPLETE").read_bytes() for p in aside.glob("step_*")} == old_checkpoints
+    assert (run_dir / "metrics.jsonl").read_text().startswith(old_records)  # appended after the old records
+    run = load_run(run_dir)
+    assert [r["step"] for r in run.steps] == [1, 2] and len(run.launches) == 2
+    assert {r["launch"] for r in run.steps} == {run.launches[-1]} and len(run.redone) == 2
 
 
 def test_missing_resume_path(capsys, tmp_path):

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from moe_lc.report import load_run
+
 FAST = [
     "device=cpu",  # bitwise-exact resume: CUDA's atomic scatter-adds (the expert combine) are not deterministic
     "curriculum.run=[ctx256,ctx1k]",
@@ -75,10 +77,15 @@ def _run(env, *overrides: str) -> subprocess.CompletedProcess:
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
+    """The run's losses as trained; metrics.jsonl itself holds every launch's records, each
+    launch's steps strictly increasing from the step it started at."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r["step"] for r in records]
-    assert steps == sorted(set(steps)), f"metrics.jsonl steps not strictly increasing: {steps}"
-    return {r["step"]: r["loss"] for r in records}
+    launches = (run_dir / "launches.jsonl").read_text().splitlines()
+    starts = {r["launch"]: r["start_step"] for r in map(json.loads, launches)}
+    for launch, start in starts.items():
+        steps = [r["step"] for r in records if r["launch"] == launch]
+        assert steps == list(range(start + 1, start + 1 + len(steps))), f"launch {launch} logged steps {steps}"
+    return {r["step"]: r["loss"] for r in load_run(run_dir).steps}
 
 
 def _checkpoint_steps(run_dir: Path) -> list[int]:

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from moe_lc.metrics import read_jsonl
+from moe_lc.report import load_run
 from moe_lc.train.main import run_train_cli
 from moe_lc.train.recipes import compose_recipe
 from moe_lc.train.runlog import TENSORBOARD_MISSING, RunLog
@@ -80,24 +81,33 @@ def test_a_message_clears_the_live_bar_and_the_last_bar_stays(tmp_path):
     assert _log_lines(tmp_path) == ["checkpoint step 2", "done"]
 
 
-def test_step_and_eval_records_and_truncation_on_resume(tmp_path):
+def test_step_and_eval_records_are_appended_and_read_as_trained(tmp_path):
     cfg = _cfg(tmp_path, "none")
     with RunLog.open(cfg, 4, io.StringIO(), metrics_after=0) as log:
         _write_steps(log, range(1, 5))
         log.eval({"step": 4, "stage": "ctx256", "loss": 1.5})
-    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
-    assert read_jsonl(tmp_path / "eval.jsonl") == [{"step": 4, "stage": "ctx256", "loss": 1.5}]
+    first = log.launch
+    assert [(r["step"], r["launch"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [(1, first), (2, first),
+                                                                                      (3, first), (4, first)]
+    assert read_jsonl(tmp_path / "eval.jsonl") == [{"step": 4, "stage": "ctx256", "loss": 1.5, "launch": first}]
     assert json.loads((tmp_path / "config.json").read_text())["run_dir"] == str(tmp_path)
-    # resumed from step 2: the later records are dropped, as those steps are redone
+    # resumed from step 2: the redone step 3 is appended; the report reads the run as trained
     with RunLog.open(cfg, 4, io.StringIO(), metrics_after=2) as log:
         log.step(_record(3, 9.0), eta_s=1.0)
-    assert [(r["step"], r["loss"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [(1, 2.0), (2, 1.0), (3, 9.0)]
-    assert read_jsonl(tmp_path / "eval.jsonl") == []
+    second = log.launch
+    assert second != first
+    raw = [(r["step"], r["loss"], r["launch"]) for r in read_jsonl(tmp_path / "metrics.jsonl")]
+    assert raw == [(1, 2.0, first), (2, 1.0, first), (3, 2.0 / 3, first), (4, 0.5, first), (3, 9.0, second)]
+    launches = read_jsonl(tmp_path / "launches.jsonl")
+    assert [(r["launch"], r["start_step"]) for r in launches] == [(first, 0), (second, 2)]
+    run = load_run(tmp_path)
+    assert [(r["step"], r["loss"]) for r in run.steps] == [(1, 2.0), (2, 1.0), (3, 9.0)]
+    assert sorted(r["step"] for r in run.redone) == [3, 4] and run.evals == [] and run.launches == [first, second]
     # a launch with nothing to train touches no metric file
     (tmp_path / "config.json").unlink()
     with RunLog.open(cfg, 4, io.StringIO(), metrics_after=None) as log:
         log.message("nothing to train")
-    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 3 and not (tmp_path / "config.json").exists()
+    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 5 and not (tmp_path / "config.json").exists()
 
 
 def test_other_ranks_write_nothing(tmp_path, capsys, monkeypatch):

@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_lc.checkpoint import CheckpointManager
+from moe_lc.checkpoint import CheckpointCorruptError, CheckpointManager
 from moe_lc.config import ConfigError
 from moe_lc.metrics import Progress, mfu, read_jsonl
-from moe_lc.metrics.sinks import JsonlWriter, truncate_after_step, wandb_mode
+from moe_lc.metrics.sinks import JsonlWriter, wandb_mode
 from moe_lc.train.curriculum import plan_curriculum
 from moe_lc.train.data import StageData
 from moe_lc.train.evaluation import bucket_losses, merge_buckets, position_buckets, positions_in_documents, token_losses
 from moe_lc.train.recipes import compose_recipe
-from moe_lc.train.resume import CHECKPOINT_FORMAT, RunPosition, TrainerState, find_start, read_trainer_state
+from moe_lc.train.resume import CHECKPOINT_FORMAT, RunPosition, Start, TrainerState, find_start, read_trainer_state
 
 
 def test_micro_batches_cover_each_global_batch_once_for_any_split():
@@ -89,7 +89,7 @@ def test_progress_prints_lines_off_a_terminal_and_one_live_line_on_it():
     assert text.count("\r") == 2 and text.count("\n") == 1 and "1.5K tok/s" in text and "ETA 30s" in text
 
 
-def test_jsonl_truncation_and_torn_lines(tmp_path):
+def test_jsonl_appends_and_a_torn_line_cannot_swallow_the_next_record(tmp_path):
     path = tmp_path / "m.jsonl"
     w = JsonlWriter(path)
     for s in range(1, 6):
@@ -98,8 +98,11 @@ def test_jsonl_truncation_and_torn_lines(tmp_path):
     with open(path, "a") as fh:
         fh.write('{"step": 6, "lo')  # a writer killed mid-line
     assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3, 4, 5]
-    truncate_after_step(path, 3)
-    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
+    w = JsonlWriter(path)  # the next launch appends after the earlier records
+    w.write({"step": 4, "loss": 40.0})
+    w.close()
+    assert [(r["step"], r["loss"]) for r in read_jsonl(path)][-2:] == [(5, 5.0), (4, 40.0)]
+    assert path.read_text().splitlines()[5] == '{"step": 6, "lo'  # kept as it was, on a line of its own
 
 
 def test_wandb_is_offline_without_credentials(monkeypatch, tmp_path):
@@ -149,15 +152,27 @@ def test_trainer_state_of_another_format_or_writer_is_refused_with_the_fix(tmp_p
         read_trainer_state(tmp_path)
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's single-process note, the skipped checkpoint
-def test_no_valid_checkpoint_means_a_fresh_start_with_a_warning(tmp_path):
+@pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's single-process note
+def test_a_run_dir_with_history_never_starts_over_unasked(tmp_path):
     root = tmp_path / "checkpoints"
     path = CheckpointManager(root).save(3, {"model": torch.nn.Linear(2, 2), "rng": None})
     victim = max(path.rglob("*.distcp"), key=lambda p: p.stat().st_size)
     victim.write_bytes(victim.read_bytes()[:-1])  # truncated: the manifest no longer matches
     cfg = compose_recipe("smoke", [f"run_dir={tmp_path}"])
-    start = find_start(cfg, CheckpointManager(root))
-    assert (start.resume, start.init, start.position, start.resume_step) == (None, None, RunPosition(), 0)
-    assert start.warning == f"no valid checkpoint among 1 in {root}; starting fresh"
-    with pytest.raises(ConfigError, match="already holds checkpoints .*resume=auto"):
+    with pytest.raises(CheckpointCorruptError, match=r"no valid checkpoint in .*step_00000003: file .*__0_0\.distcp "
+                                                     r"has \d+ bytes.*resume=PATH.*run_dir.*resume=fresh"):
+        find_start(cfg, CheckpointManager(root))
+    assert path.is_dir()  # nothing moved by a refusal
+    with pytest.raises(ConfigError, match="already holds 1 checkpoint.*resume=auto.*resume=fresh"):
         find_start(compose_recipe("smoke", [f"run_dir={tmp_path}", "resume=none"]), CheckpointManager(root))
+    start = find_start(compose_recipe("smoke", [f"run_dir={tmp_path}", "resume=fresh"]), CheckpointManager(root))
+    assert (start.resume, start.init, start.position, start.resume_step) == (None, None, RunPosition(), 0)
+    moved = next((root / "set-aside").iterdir())
+    assert moved.name.endswith("-fresh") and (moved / "step_00000003").is_dir() and not path.exists()
+    assert str(moved) in start.warning
+    # run records without any checkpoint are history too
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    with pytest.raises(ConfigError, match=r"holds run records \(metrics.jsonl\) but no checkpoint.*resume=fresh"):
+        find_start(cfg, CheckpointManager(root))
+    assert find_start(compose_recipe("smoke", [f"run_dir={tmp_path / 'new'}"]), CheckpointManager(tmp_path / "c")) \
+        == Start(RunPosition())

@@ -3,6 +3,9 @@
 One record per optimizer step is a flat-ish dict: scalars are logged everywhere; lists
 (per-layer MaxVio, per-expert loads) only go to JSONL, with per-layer MaxVio also sent to
 TensorBoard/wandb as `maxvio/layer_<i>` scalars.
+
+The JSONL files are only ever appended to: a resumed launch adds its records (redone steps
+included) after the earlier ones; a reader picks the run as trained (`moe_lc.report.load`).
 """
 
 from __future__ import annotations
@@ -14,21 +17,36 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
+from moe_lc.storage import reported
+
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
+LAUNCHES_FILE = "launches.jsonl"  # one line per launch that trains: its id and the step it starts from
+_MOVE_HINT = "or set run_dir=... to another directory"
 
 
 class JsonlWriter:
-    """Append-only JSON lines, flushed per record so that a killed run keeps what it logged."""
+    """Append-only JSON lines, flushed per record so that a killed run keeps what it logged.
+
+    A torn last line left by a killed writer is ended first, so that it cannot swallow the
+    first record appended after it. A failing write raises StorageError (path, cause, fix).
+    """
 
     def __init__(self, path: Union[str, Path]):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "a", encoding="utf-8")
+        with reported(self.path, f"open {self.path.name} for appending", _MOVE_HINT):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(self.path, "a+b")
+            if self._fh.tell() > 0:
+                self._fh.seek(-1, os.SEEK_END)
+                if self._fh.read(1) != b"\n":
+                    self._fh.write(b"\n")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._fh.write(json.dumps(record, default=_jsonable, allow_nan=True) + "\n")
-        self._fh.flush()
+        line = json.dumps(record, default=_jsonable, allow_nan=True) + "\n"
+        with reported(self.path, f"append to {self.path.name}", _MOVE_HINT):
+            self._fh.write(line.encode("utf-8"))
+            self._fh.flush()
 
     def close(self) -> None:
         self._fh.close()
@@ -56,17 +74,6 @@ def read_jsonl(path: Union[str, Path]) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return out
-
-
-def truncate_after_step(path: Union[str, Path], step: int) -> None:
-    """Drop records with step > `step`: a resumed run re-logs the steps it redoes."""
-    p = Path(path)
-    if not p.exists():
-        return
-    kept = [r for r in read_jsonl(p) if r.get("step", -1) <= step]
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-    os.replace(tmp, p)
 
 
 def _scalars(record: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:

@@ -112,7 +112,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # auto (cuda when available) | cpu | cuda
     precision: str = "auto"  # auto (bf16 autocast + fp32 weights on GPU, fp32 on CPU) | fp32 | bf16 | fp64 (tests)
-    resume: str = "auto"  # auto (newest complete checkpoint, or a fresh start) | none | PATH
+    resume: str = "auto"  # auto (newest valid checkpoint; fresh only in a new run dir) | none | fresh | PATH
     init_from: Optional[str] = None  # checkpoint whose model weights start a fresh run
     max_steps: Optional[int] = None  # stop after this global step (the schedule still spans the curriculum)
     threads: Optional[int] = None  # CPU intra-op threads (null: torch's default)

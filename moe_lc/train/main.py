@@ -148,10 +148,11 @@ def _exit_code(job: Callable[[], None]) -> int:
     except FloatingPointError as err:  # a diverged run: its checkpoints are intact, the message says what to try
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except Exception as err:  # checkpoint and data errors carry their own fix; show them without a traceback
+    except Exception as err:  # checkpoint, storage and data errors carry their own fix; show them without a traceback
         from moe_lc.checkpoint import CheckpointError
+        from moe_lc.storage import StorageError
 
-        if isinstance(err, (CheckpointError, FileNotFoundError)):
+        if isinstance(err, (CheckpointError, StorageError, FileNotFoundError)):
             print(f"error: {err}", file=sys.stderr)
             return 2
         raise

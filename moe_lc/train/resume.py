@@ -1,12 +1,20 @@
 """Where a launch starts, and what a trainer checkpoint records about its run.
 
-    resume=auto    the newest valid checkpoint under run_dir/checkpoint.dir, else a fresh start
-    resume=none    a fresh start; refused if the run directory already holds checkpoints
+    resume=auto    the newest valid checkpoint under run_dir/checkpoint.dir; a fresh start only
+                   in a run dir without history (no checkpoints, no run records)
+    resume=none    a fresh start; refused if the run dir has history
+    resume=fresh   a fresh start even so: its checkpoints are moved to checkpoint.dir/set-aside/
+                   and the new launch's records are appended after the old ones
     resume=PATH    that checkpoint (or the newest valid one under that directory)
     init_from=PATH a fresh start (step 0, fresh optimizer) from that checkpoint's weights
 
-A checkpoint is checked against this run before any tensor is read: the trainer-state
-format, the model config (field by field) and the tokenizer. The trainer state
+Nothing in the run dir is deleted by a restart, and a run dir whose checkpoints all fail
+their check is never restarted from step 0 unasked: the launch stops with one error listing
+each checkpoint and why it was rejected. Checkpoints a launch must not build on (newer than
+the one it resumes, rejected ones, all of them for resume=fresh) are moved aside, not deleted.
+
+A checkpoint is checked before any tensor is read: every file against its checksum, then
+against this run: the trainer-state format, the model config (field by field) and the tokenizer. The trainer state
 (`trainer.json`, `TrainerState`) is what a checkpoint knows about its run: the position
 (step, sequences consumed per stage, tokens seen, train time) plus the stage, curriculum,
 layout, model, tokenizer and the whole config that wrote it.
@@ -15,13 +23,15 @@ layout, model, tokenizer and the whole config that wrote it.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from moe_lc.checkpoint import CheckpointManager
-from moe_lc.checkpoint.ondisk import TRAINER_FILE
+from moe_lc.checkpoint import CheckpointCorruptError, CheckpointManager, no_valid_checkpoint_message
+from moe_lc.checkpoint.ondisk import POINTER, TRAINER_FILE, step_dirs
 from moe_lc.config import ConfigError
+from moe_lc.metrics.sinks import EVAL_FILE, METRICS_FILE
 from moe_lc.train.config import TrainConfig
 from moe_lc.train.curriculum import StagePlan, total_steps
 from moe_lc.train.recipes import config_to_dict
@@ -128,7 +138,7 @@ class Start:
     position: RunPosition  # where the run stands (step 0 unless resumed)
     resume: Optional[Path] = None  # checkpoint to continue: weights, optimizer, RNG and position
     init: Optional[Path] = None  # checkpoint whose weights start a fresh run
-    warning: Optional[str] = None  # for the run's log: why a run with checkpoints starts fresh
+    warning: Optional[str] = None  # for the run's log: checkpoints rejected or moved aside, a start over
 
     @property
     def resume_step(self) -> int:
@@ -137,34 +147,78 @@ class Start:
 
 
 def find_start(cfg: TrainConfig, checkpoints: CheckpointManager) -> Start:
-    """Pick the checkpoint to resume or initialise from (see the module docstring) and check it
-    fits this run; ConfigError (or CheckpointError) with the fix otherwise."""
-    existing, resume, warning = checkpoints.checkpoints(), str(cfg.resume), None
-    if resume == "none":
-        if existing:
+    """Pick the checkpoint to resume or initialise from (see the module docstring), check it fits
+    this run and move aside what the launch must not build on; collective. ConfigError (or
+    CheckpointError) with the fix otherwise, before anything in the run dir is changed."""
+    mode = str(cfg.resume)
+    history = checkpoints.rank0_decides(lambda: run_history(Path(cfg.run_dir), checkpoints.root))
+    if mode == "none" and history:
+        raise ConfigError(
+            f"{cfg.run_dir} already holds {' and '.join(history)}; continue that run with resume=auto, start it "
+            "over with resume=fresh (nothing is deleted), or start a new one in another run_dir=..."
+        )
+    if mode in ("none", "fresh"):
+        init = _init_checkpoint(cfg, checkpoints)
+        notes = []
+        if mode == "fresh" and history:
+            notes = [f"resume=fresh: starting over at step 0 in {cfg.run_dir}, which holds {' and '.join(history)}"]
+            notes += _moved_note(checkpoints.set_aside(None, "fresh"))
+        return Start(RunPosition(), init=init, warning="; ".join(notes) or None)
+    with warnings.catch_warnings(record=True) as caught:  # a bad `latest`, an old manifest: for the run's log
+        found = checkpoints.select(None if mode == "auto" else mode)
+    if found.path is None:
+        if found.rejected:
+            raise CheckpointCorruptError(no_valid_checkpoint_message(found.rejected[0].path.parent, found.rejected))
+        if history:
             raise ConfigError(
-                f"{checkpoints.root} already holds checkpoints (newest {existing[-1].name}); continue that run with "
-                "resume=auto, or start a new one in another run_dir=..."
+                f"{cfg.run_dir} holds {' and '.join(history)} but no checkpoint to resume; start the run over "
+                "there with resume=fresh (the old records are kept, the new launch's appended), or use another "
+                "run_dir=..."
             )
-        path = None
-    elif resume == "auto":
-        path = checkpoints.latest()
-        if path is None and existing:
-            warning = f"no valid checkpoint among {len(existing)} in {checkpoints.root}; starting fresh"
-    else:
-        path = checkpoints.resolve(resume)
-    if path is not None:
-        saved = read_trainer_state(path)
-        check_compatible(saved, cfg, path)
-        return Start(saved.position, resume=path, warning=warning)
+        return Start(RunPosition(), init=_init_checkpoint(cfg, checkpoints))
+    saved = read_trainer_state(found.path)
+    check_compatible(saved, cfg, found.path)
+    notes = [str(w.message) for w in caught]
+    notes += [f"checkpoint {r.path.name} rejected ({r.reason}); resuming from {found.path}" for r in found.rejected]
+    notes += _moved_note(checkpoints.set_aside(found.path, "superseded", [r.path for r in found.rejected]))
+    return Start(saved.position, resume=found.path, warning="; ".join(notes) or None)
+
+
+def _init_checkpoint(cfg: TrainConfig, checkpoints: CheckpointManager) -> Optional[Path]:
+    """The checkpoint named by init_from, checked like a resume (by the launch's manager, which
+    then loads it without hashing it again), or None."""
     if cfg.init_from is None:
-        return Start(RunPosition(), warning=warning)
-    init_root = Path(cfg.init_from)
-    init = CheckpointManager(init_root.parent if init_root.name.startswith("step_") else init_root).resolve(
-        cfg.init_from
-    )
+        return None
+    found = checkpoints.select(cfg.init_from)
+    if found.path is None:
+        reasons = "; ".join(f"{r.path.name}: {r.reason}" for r in found.rejected)
+        raise ConfigError(f"init_from={cfg.init_from} holds no valid checkpoint ({reasons}); pass a good checkpoint")
+    init = found.path
     check_compatible(read_trainer_state(init), cfg, init)
-    return Start(RunPosition(), init=init, warning=warning)
+    return init
+
+
+def run_history(run_dir: Path, checkpoint_root: Path) -> list[str]:
+    """What `run_dir` already holds of earlier launches (checkpoints, a `latest` pointer, run
+    records), in words; empty for a new run dir."""
+    held = []
+    steps = step_dirs(checkpoint_root)
+    if steps:
+        held.append(f"{len(steps)} checkpoint(s) in {checkpoint_root} (newest {steps[-1][1].name})")
+    elif (checkpoint_root / POINTER).exists():
+        held.append(f"a checkpoint pointer {checkpoint_root / POINTER}")
+    records = [name for name in (METRICS_FILE, EVAL_FILE) if _non_empty(run_dir / name)]
+    if records:
+        held.append(f"run records ({', '.join(records)})")
+    return held
+
+
+def _non_empty(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 0
+
+
+def _moved_note(moved: Optional[Path]) -> list[str]:
+    return [f"checkpoints this launch must not build on were moved to {moved} (not deleted)"] if moved else []
 
 
 def read_trainer_state(path: Path) -> TrainerState:

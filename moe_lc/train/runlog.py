@@ -3,7 +3,13 @@
     messages   console (beside the live progress line) and run_dir/train.log, timestamped
     steps      metrics.jsonl, TensorBoard, wandb, and the progress line
     evals      eval.jsonl, TensorBoard, wandb
+    launches   launches.jsonl: each launch that trains, with the step it starts from
     report     run_dir/report (plots and summary), rendered from the JSONL files
+
+Records are only ever appended: every step and eval record carries the id of the launch that
+wrote it, so a resumed launch's redone steps sit beside the earlier ones in the raw files and a
+reader takes, for each step, the record of the latest launch (`moe_lc.report.load`). A run dir
+that cannot be created or written raises StorageError: one line with the path and the fix.
 
 Messages go through a `logging` logger with two handlers: one that prints each message as a
 line of its own without breaking the live progress line, one that appends it to train.log.
@@ -15,12 +21,16 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
-from moe_lc.metrics import MetricSinks, Progress
-from moe_lc.metrics.sinks import EVAL_FILE, METRICS_FILE, truncate_after_step
+from moe_lc.metrics import JsonlWriter, MetricSinks, Progress
+from moe_lc.metrics.sinks import LAUNCHES_FILE
+from moe_lc.storage import check_path, reported
 from moe_lc.train.config import TrainConfig
 from moe_lc.train.recipes import config_to_dict
 
@@ -28,6 +38,7 @@ LOGGER_NAME = "moe_lc.train.run"
 LOG_FILE = "train.log"
 CONFIG_FILE = "config.json"
 TIMESTAMP = "%Y-%m-%d %H:%M:%S"
+_MOVE_HINT = "or set run_dir=... to a directory you can write"
 TENSORBOARD_MISSING = (
     "note: logging.tensorboard=true but the tensorboard package is not installed "
     "(pip install 'moe-lc[tensorboard]'); no TensorBoard events are written"
@@ -64,12 +75,14 @@ class RunLog:
         progress: Optional[Progress] = None,
         metrics: Optional[MetricSinks] = None,
         run_dir: Optional[Path] = None,
+        launch: Optional[str] = None,
     ) -> None:
         self._logger = logger
         self._handlers = handlers
         self._progress = progress
         self._metrics = metrics
         self._run_dir = run_dir
+        self.launch = launch  # the id stamped on this launch's records
 
     @classmethod
     def open(
@@ -82,18 +95,21 @@ class RunLog:
         """Rank 0's log of the run in `cfg.run_dir` (created if needed).
 
         metrics_after: None when this launch trains no step (no metric file is touched);
-        else the step it starts from (0 when fresh): records after it are dropped from
-        metrics.jsonl and eval.jsonl, since those steps are redone, and config.json is written.
+        else the step it starts from (0 when fresh): the launch is added to launches.jsonl with
+        that step (a reader drops earlier launches' records after it, as those steps are redone),
+        and config.json is written. Nothing is truncated or deleted.
         """
-        run_dir = Path(cfg.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = check_path(cfg.run_dir, "run_dir")
+        with reported(run_dir, "create the run directory", _MOVE_HINT):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            log_file = logging.FileHandler(run_dir / LOG_FILE, mode="a", encoding="utf-8")
         progress = Progress(total_steps, cfg.logging.progress, cfg.logging.every, stream or sys.stdout)
         console = _ConsoleHandler(progress)
         console.setFormatter(logging.Formatter("%(message)s"))
-        log_file = logging.FileHandler(run_dir / LOG_FILE, mode="a", encoding="utf-8")
         log_file.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt=TIMESTAMP))
-        metrics = _open_metrics(cfg, run_dir, metrics_after) if metrics_after is not None else None
-        log = cls(_logger_with([console, log_file]), [console, log_file], progress, metrics, run_dir)
+        launch = new_launch_id()
+        metrics = _open_metrics(cfg, run_dir, launch, metrics_after) if metrics_after is not None else None
+        log = cls(_logger_with([console, log_file]), [console, log_file], progress, metrics, run_dir, launch)
         if metrics is not None and cfg.logging.tensorboard and metrics.tb is None:
             log.message(TENSORBOARD_MISSING)
         return log
@@ -118,14 +134,14 @@ class RunLog:
         """One optimizer step's record (`step`, `stage`, `loss`, `tokens_per_s`, ...); the progress
         line shows it with `eta_s` seconds left."""
         if self._metrics is not None:
-            self._metrics.log(record, record["step"])
+            self._metrics.log({**record, "launch": self.launch}, record["step"])
         if self._progress is not None:
             self._progress.update(record["step"], record["stage"], record["loss"], record["tokens_per_s"], eta_s)
 
     def eval(self, result: dict[str, Any]) -> None:
         """A stage-end evaluation result (with its `step`)."""
         if self._metrics is not None:
-            self._metrics.log_eval(result, result["step"])
+            self._metrics.log_eval({**result, "launch": self.launch}, result["step"])
 
     def report(self) -> None:
         """Render the report of the run (plots need matplotlib: without it, say how to get them)."""
@@ -178,11 +194,18 @@ def _logger_with(handlers: list[logging.Handler]) -> logging.Logger:
     return logger
 
 
-def _open_metrics(cfg: TrainConfig, run_dir: Path, after_step: int) -> MetricSinks:
-    for name in (METRICS_FILE, EVAL_FILE):
-        truncate_after_step(run_dir / name, after_step)  # steps after the start are redone and re-logged
+def new_launch_id() -> str:
+    """A launch's id: its UTC start time (sortable, readable) and a random suffix (unique)."""
+    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
+
+
+def _open_metrics(cfg: TrainConfig, run_dir: Path, launch: str, start_step: int) -> MetricSinks:
+    launches = JsonlWriter(run_dir / LAUNCHES_FILE)
+    launches.write({"launch": launch, "start_step": start_step, "time": time.time(), "host": socket.gethostname()})
+    launches.close()
     config = config_to_dict(cfg)
-    (run_dir / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
+    with reported(run_dir / CONFIG_FILE, f"write {CONFIG_FILE}", _MOVE_HINT):
+        (run_dir / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
     return MetricSinks(
         run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
         wandb_project=cfg.logging.wandb_project, wandb_mode=cfg.logging.wandb_mode,
