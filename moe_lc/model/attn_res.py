@@ -82,13 +82,22 @@ class _DepthMixture(torch.autograd.Function):
         return d_query, d_norm, None, *grads
 
 
+class _MixerNorm(RMSNorm):
+    """A depth mixer's RMSNorm_j. Its forward is the whole mixture (norm, scores against the query,
+    softmax, weighted sum: one op), so that the norm's weight is used inside the norm module's own
+    call, where module hooks (tensor parallelism's rank-local weights) expect it."""
+
+    def forward(self, sources: list[Tensor], query: Tensor) -> Tensor:  # type: ignore[override]
+        return _DepthMixture.apply(query, self.weight, self.eps, *sources)
+
+
 class DepthMixer(nn.Module):
     """One pseudo-query w_j with its own RMSNorm, mixing a list of sources."""
 
     def __init__(self, d_model: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.query = nn.Parameter(torch.zeros(d_model))
-        self.norm = RMSNorm(d_model, eps)
+        self.norm = _MixerNorm(d_model, eps)
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.query)
@@ -98,7 +107,7 @@ class DepthMixer(nn.Module):
         if len(sources) == 1:
             # softmax over one source is exactly 1; skip the work (no gradient to w either way)
             return sources[0]
-        return _DepthMixture.apply(self.query, self.norm.weight, self.norm.eps, *sources)
+        return self.norm(sources, self.query)
 
 
 @dataclass(frozen=True)
