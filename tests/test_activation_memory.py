@@ -16,21 +16,13 @@ from moe_lc.metrics.saved_activations import measure_saved_activations
 from moe_lc.model.init import build_model
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointMode, apply_activation_checkpointing
 from moe_lc.parallel.activation_memory import REFERENCE_FP32, estimate_activations
-from moe_lc.presets import get_preset
+from model_configs import preset_with
 
 TOLERANCE = 0.15
 
 
 def config(name: str, **overrides) -> ModelConfig:
-    cfg = get_preset(name)
-    cfg.kda.backend = "torch"
-    for key, value in overrides.items():
-        obj = cfg
-        *path, last = key.split(".")
-        for p in path:
-            obj = getattr(obj, p)
-        setattr(obj, last, value)
-    return cfg.validate()
+    return preset_with(name, **{"kda.backend": "torch", **overrides})
 
 
 VARIANTS = {

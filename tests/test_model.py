@@ -18,17 +18,11 @@ from moe_lc.model.short_conv import causal_depthwise_conv
 from moe_lc.model.transformer import IGNORE_INDEX
 from moe_lc.ops.documents import DocumentBounds
 from moe_lc.presets import get_preset
+from model_configs import preset_with
 
 
 def tiny(**overrides) -> ModelConfig:
-    cfg = get_preset("tiny")
-    for k, v in overrides.items():
-        obj = cfg
-        *path, last = k.split(".")
-        for p in path:
-            obj = getattr(obj, p)
-        setattr(obj, last, v)
-    return cfg.validate()
+    return preset_with("tiny", **overrides)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
