@@ -179,7 +179,8 @@ class _Phase:
 class _LayerSlot:
     """Which region of one layer is running (None outside a checkpointed call)."""
 
-    region: Optional[_Region] = None
+    def __init__(self) -> None:
+        self.region: Optional[_Region] = None
 
 
 class _KeptCall:
