@@ -17,6 +17,11 @@ def set_fields(cfg: ModelConfig, overrides: dict) -> ModelConfig:
     return cfg
 
 
+def preset_with(name: str, **overrides) -> ModelConfig:
+    """A preset with dotted-name overrides (``preset_with("tiny", **{"moe.top_k": 1})``), validated."""
+    return set_fields(get_preset(name), overrides).validate()
+
+
 def tiny(**overrides) -> ModelConfig:
     """The tiny preset with dotted-name overrides (``tiny(**{"attn_res.mode": "full"})``), validated."""
-    return set_fields(get_preset("tiny"), overrides).validate()
+    return preset_with("tiny", **overrides)

@@ -55,9 +55,10 @@ def test_attn_res_block_sources_follow_block_size():
     emb = torch.randn(1, 3, 8)
     s = ResidualStream.start("block", emb)
     for layer in range(5):
-        s.add_output(torch.full_like(emb, float(layer)))
-        s.add_output(torch.full_like(emb, 10.0 * layer))
-        s.end_layer(layer, block_size=2)
+        before = s
+        s = s.plus(torch.full_like(emb, float(layer))).plus(torch.full_like(emb, 10.0 * layer))
+        s = s.end_layer(layer, block_size=2)
+        assert len(before.sources) == 1 + layer // 2  # updates return a new stream; the old one is unchanged
     # blocks {0,1}, {2,3} completed, {4} partial -> embedding + 2 block sums + partial
     assert len(s.sources) == 3 and s.partial is not None
     assert torch.allclose(s.sources[1], torch.full_like(emb, 0 + 0 + 1 + 10))

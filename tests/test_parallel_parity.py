@@ -1,4 +1,4 @@
-"""One training step under each parallel layout equals the single-process step (SPEC 3).
+"""One training step under each parallel layout equals the single-process step.
 
 For every layout: same init seed, same global batch (each data-parallel rank packs its
 contiguous share of the samples), loss = global mean over label tokens. The parallel step
@@ -16,6 +16,7 @@ rounding of gradients near eps; eps=1e-4 keeps the parameter comparison well con
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import pytest
 import torch
@@ -61,9 +62,11 @@ class Job:
     steps: int = 1
     micro: int = 1  # micro-batches per rank and step (gradient accumulation)
     dtype: torch.dtype = torch.float32
+    checkpointing: Optional[dict] = None  # ActivationCheckpointing fields (None: keep everything)
 
     def __str__(self) -> str:
-        return f"{self.model} {self.layout} steps={self.steps} micro={self.micro} {self.dtype}"
+        ac = f" checkpointing={self.checkpointing}" if self.checkpointing else ""
+        return f"{self.model} {self.layout} steps={self.steps} micro={self.micro} {self.dtype}{ac}"
 
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
@@ -71,13 +74,22 @@ TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
 
 def run_layouts(jobs: list[Job]) -> list[dict]:
     """Worker: train each job's model under its layout and report the global state."""
-    from moe_lc.parallel import ParallelLayout, build_mesh, build_optimizer, data_parallel_info, parallelize
+    from moe_lc.parallel import (
+        ActivationCheckpointing,
+        ParallelLayout,
+        build_mesh,
+        build_optimizer,
+        data_parallel_info,
+        parallelize,
+    )
 
     reports = []
     for job in jobs:
         layout = ParallelLayout(**job.layout)
         mesh = build_mesh(layout)
-        model = parallelize(build_model(model_config(job.model), "cpu", seed=0, dtype=job.dtype), layout, mesh)
+        checkpointing = ActivationCheckpointing(**job.checkpointing) if job.checkpointing else None
+        model = build_model(model_config(job.model), "cpu", seed=0, dtype=job.dtype)
+        model = parallelize(model, layout, mesh, checkpointing)
         optimizer = build_optimizer(model, torch.optim.AdamW, lr=LR, eps=EPS, weight_decay=WD)
         dp_rank, dp_size = data_parallel_info(mesh)
         losses, grads = [], {}
@@ -162,6 +174,23 @@ def test_data_and_expert_parallel_two_ranks():
             Job("tiny", dict(dp_shard=2, ep=2)),
             Job("tiny", dict(dp_shard=2, dp_mode="zero1")),
             Job("tiny", dict(dp_shard=2, ep=2, dp_mode="zero1")),
+        ],
+    )
+
+
+@pytest.mark.timeout(200)
+def test_activation_checkpointing_composes_with_every_parallelism_two_ranks():
+    """Recomputed layers rerun their TP collectives, EP all-to-alls and FSDP unshards in backward;
+    the step still equals one process without checkpointing."""
+    check_jobs(
+        2,
+        [
+            Job("tiny", dict(tp=2), checkpointing=dict(mode="selective")),
+            Job("tiny", dict(tp=2, ep=2), checkpointing=dict(mode="full", every=2)),
+            Job("tiny", dict(dp_shard=2), micro=2, checkpointing=dict(mode="full")),  # FSDP, accumulation
+            Job("tiny", dict(dp_shard=2, ep=2), checkpointing=dict(mode="selective", offload=True)),
+            Job("tiny", dict(dp_shard=2, dp_mode="zero1"), checkpointing=dict(mode="selective", every=2)),
+            Job("wide", dict(tp=2), dtype=F64, checkpointing=dict(mode="selective")),  # MTP layer
         ],
     )
 

@@ -195,8 +195,8 @@ def test_residual_stream_feeds_each_sublayer_its_mixture(mode, block_size):
             j = 2 * i + s
             h = stream.sublayer_input(mixer_for(j))
             inputs_seen.append(h)
-            stream.add_output(torch.tanh(h @ weights[j]))
-        stream.end_layer(i, block_size)
+            stream = stream.plus(torch.tanh(h @ weights[j]))
+        stream = stream.end_layer(i, block_size)
     out = stream.final(None if mode == "none" else mixers[-1])
 
     sources = ref.DepthSources(mode, block_size, embedding)

@@ -343,13 +343,16 @@ class ExpertBalancer(nn.Module):
         """
         _check_scores(scores, self.bias)
         accumulate = self.training if accumulate is None else accumulate
-        if accumulate and self.mode == "qb":
+        # The same selection whether or not statistics accumulate (ties included), so that a
+        # recomputed forward routes exactly like the original.
+        if self.mode == "qb":
             topk_idx, cutoff = route_with_cutoff(scores, self.bias, self.top_k)
-            required = required_bias(scores, cutoff)
-            if self.histogram is not None:
-                self.histogram.add_required(required, self.bias)
-            else:
-                self._step_required.append(required)
+            if accumulate:
+                required = required_bias(scores, cutoff)
+                if self.histogram is not None:
+                    self.histogram.add_required(required, self.bias)
+                else:
+                    self._step_required.append(required)
         else:
             topk_idx = (upcast(scores.detach()) + self.bias).topk(self.top_k, dim=-1).indices
         if accumulate:

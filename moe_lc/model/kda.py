@@ -79,11 +79,19 @@ class KDAttention(nn.Module):
         k = self.k_conv(self.k_proj(x), docs, **conv).view(B, T, -1, K)
         v = self.v_conv(self.v_proj(x), docs, **conv).view(B, T, -1, K)
         z = self.decay_up(self.decay_down(x)).view(B, T, -1, K)
+        o = self.o_norm(self.recurrence(q, k, v, z, self.beta_proj(x), docs))
+        gate = torch.sigmoid(self.gate_proj(x)).view(B, T, -1, K)
+        return self.o_proj((gate * o.to(gate.dtype)).reshape(B, T, -1))
+
+    def recurrence(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor, beta_logits: torch.Tensor,
+        docs: Optional[DocumentBounds],
+    ) -> torch.Tensor:
+        """o = KDA(L2Norm(q), L2Norm(k), v, gate(z + b), sigmoid(beta_logits)): the layer's one expensive
+        op, a method of its own so that selective activation checkpointing can keep its result."""
         # the gate's floor is static (g_min; none for softplus), handed down so no kernel reads g to learn it
         lower = self.cfg.g_min if self.cfg.gate == "bounded" else None
         # L2 norm of q and k, the gate and beta's sigmoid run inside the kernels where they can
-        o, _ = chunk_kda_from_projections(q, k, v, z, self.beta_proj(x), self.A_log, self.dt_bias, lower_bound=lower,
+        o, _ = chunk_kda_from_projections(q, k, v, z, beta_logits, self.A_log, self.dt_bias, lower_bound=lower,
                                           docs=docs, backend=self.cfg.backend)
-        o = self.o_norm(o)
-        gate = torch.sigmoid(self.gate_proj(x)).view(B, T, -1, K)
-        return self.o_proj((gate * o.to(gate.dtype)).reshape(B, T, -1))
+        return o

@@ -1,4 +1,4 @@
-"""The hybrid KDA/MLA LatentMoE language model (SPEC 2.1).
+"""The hybrid KDA/MLA LatentMoE language model.
 
 Decoder layer = token mixing (KDA or Gated MLA) then channel mixing (LatentMoE, or a dense
 SiTU-GLU FFN in the first layers); each sublayer is pre-norm and reads its input from the
@@ -54,11 +54,12 @@ class DecoderLayer(nn.Module):
         return isinstance(self.ffn, LatentMoE)
 
     def forward(self, stream: ResidualStream, docs: Optional[DocumentBounds] = None) -> ResidualStream:
+        """The stream after both sublayers; a pure function of ``stream`` (which it leaves unchanged),
+        so that activation checkpointing can run it again in backward."""
         h = stream.sublayer_input(self.attn_mixer)
-        stream.add_output(self.attn(self.attn_norm(h), docs))
+        stream = stream.plus(self.attn(self.attn_norm(h), docs))
         h = stream.sublayer_input(self.ffn_mixer)
-        stream.add_output(self.ffn(self.ffn_norm(h)))
-        return stream
+        return stream.plus(self.ffn(self.ffn_norm(h)))
 
 
 class MultiTokenPrediction(nn.Module):
@@ -78,8 +79,7 @@ class MultiTokenPrediction(nn.Module):
 
     def forward(self, hidden: torch.Tensor, next_embed: torch.Tensor, docs: Optional[DocumentBounds]):
         h = self.proj(torch.cat([self.hidden_norm(hidden), self.embed_norm(next_embed)], dim=-1))
-        stream = self.layer(ResidualStream.start("none", h), docs)
-        return self.final_norm(stream.partial)
+        return self.final_norm(self.layer(ResidualStream.start("none", h), docs).partial)
 
 
 @dataclass
@@ -155,8 +155,7 @@ class MoELCModel(nn.Module):
         _check_documents(input_ids, docs)
         stream = ResidualStream.start(self.cfg.attn_res.mode, self.embed(input_ids))
         for layer in self.layers:
-            stream = layer(stream, docs)
-            stream.end_layer(layer.layer_idx, self.cfg.attn_res.block_size)
+            stream = layer(stream, docs).end_layer(layer.layer_idx, self.cfg.attn_res.block_size)
         return self.final_norm(stream.final(self.out_mixer))
 
     def forward(

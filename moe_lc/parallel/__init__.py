@@ -1,10 +1,11 @@
-"""Parallelism around the model (SPEC 3): device meshes, TP + SP, EP, FSDP2 / ZeRO-1.
+"""Parallelism around the model: device meshes, TP + SP, EP, activation checkpointing, FSDP2 / ZeRO-1.
 
 Typical use (every rank, after ``torch.distributed.init_process_group``)::
 
     layout = ParallelLayout(tp=2, ep=2)                  # dp_shard=-1: the rest of the world
     mesh = build_mesh(layout)
-    model = parallelize(build_model(cfg, device, seed=0), layout, mesh)
+    model = parallelize(build_model(cfg, device, seed=0), layout, mesh,
+                        ActivationCheckpointing(mode="selective"))  # optional; None keeps everything
     optimizer = build_optimizer(model, torch.optim.AdamW, lr=3e-4)
     dp_rank, dp_size = data_parallel_info(mesh)          # which samples this rank reads
     ...  # per micro-batch: loss = out.lm_loss * local_label_tokens / global_label_tokens(...)
@@ -15,6 +16,11 @@ See docs/parallelism.md.
 """
 
 from moe_lc.optim.clip import clip_grad_norm as clip_grad_norm_  # one mesh-aware clip for every layout
+from moe_lc.parallel.activation_checkpointing import (
+    ActivationCheckpointing,
+    CheckpointMode,
+    apply_activation_checkpointing,
+)
 from moe_lc.parallel.data_parallel import build_optimizer, finish_gradient_sync, set_gradient_sync
 from moe_lc.parallel.layout import DPMode, ParallelLayout, ParamDType
 from moe_lc.parallel.mesh import (
@@ -28,6 +34,9 @@ from moe_lc.parallel.mesh import (
 from moe_lc.parallel.parallelize import ParallelContext, parallel_context, parallelize
 
 __all__ = [
+    "ActivationCheckpointing",
+    "CheckpointMode",
+    "apply_activation_checkpointing",
     "ParallelLayout",
     "DPMode",
     "ParamDType",

@@ -85,8 +85,8 @@ class ParallelLayout:
 
     def __post_init__(self) -> None:
         # Direct construction (ParallelLayout(dp_mode="zero1")) gets the same choices as a recipe.
-        self.dp_mode = _choice(DPMode, "dp_mode", self.dp_mode)
-        self.param_dtype = _choice(ParamDType, "param_dtype", self.param_dtype)
+        self.dp_mode = parse_choice(DPMode, "layout.dp_mode", self.dp_mode)
+        self.param_dtype = parse_choice(ParamDType, "layout.param_dtype", self.param_dtype)
 
     # -- resolution ----------------------------------------------------------------------
     @property
@@ -306,11 +306,12 @@ class ParallelLayout:
         return f"{dims or 'single rank'} ({self.dp_mode})"
 
 
-def _choice(kind: type[Choice], name: str, value: object) -> Choice:
+def parse_choice(kind: type[Choice], where: str, value: object) -> Choice:
+    """``value`` as a member of ``kind``; ConfigError naming the field ``where`` and the choices otherwise."""
     try:
         return kind(value)
     except ValueError:
-        raise ConfigError(f"layout.{name}={value!r}: use one of {', '.join(m.value for m in kind)}") from None
+        raise ConfigError(f"{where}={value!r}: use one of {', '.join(m.value for m in kind)}") from None
 
 
 def _positive(value: object) -> bool:

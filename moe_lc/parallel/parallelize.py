@@ -1,9 +1,11 @@
-"""``parallelize(model, layout, mesh)``: TP/SP, EP and data parallelism around an unchanged model.
+"""``parallelize(model, layout, mesh, checkpointing)``: TP/SP, EP, activation checkpointing and data
+parallelism around an unchanged model.
 
 Order: tensor parallelism (DTensor parameters on the tp mesh, sequence-parallel regions,
 vocab-parallel embedding/head/loss), expert parallelism (expert weights on the ep mesh, the
-all-to-all dispatch), local-parameter hooks, then FSDP2 (it must come last: it wraps DTensor
-parameters from the same root mesh and its hooks must run outside ours).
+all-to-all dispatch), local-parameter hooks, activation checkpointing of the decoder layers
+(a recompute then reruns the hooks and collectives above, inside the layer), then FSDP2 (it must
+come last: it wraps DTensor parameters from the same root mesh and its hooks must run outside ours).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from moe_lc.config import ConfigError
 from moe_lc.model.moe import LatentMoE
 from moe_lc.model.transformer import MoELCModel
+from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
 from moe_lc.parallel.data_parallel import DataParallelGroups, apply_fsdp, mixed_precision_policy
 from moe_lc.parallel.expert_parallel import apply_expert_parallel
 from moe_lc.parallel.layout import ParallelLayout
@@ -34,8 +37,14 @@ class ParallelContext:
     dp_groups: DataParallelGroups
 
 
-def parallelize(model: MoELCModel, layout: ParallelLayout, mesh: DeviceMesh) -> MoELCModel:
-    """Apply ``layout`` to ``model`` in place (and return it). Every rank must pass an identical model.
+def parallelize(
+    model: MoELCModel,
+    layout: ParallelLayout,
+    mesh: DeviceMesh,
+    checkpointing: Optional[ActivationCheckpointing] = None,
+) -> MoELCModel:
+    """Apply ``layout`` and the activation ``checkpointing`` policy (None: none) to ``model`` in place
+    (and return it). Every rank must pass an identical model.
 
     The model must be materialised (not meta) with identical weights on every rank (same seed).
     ``layout`` is resolved for the mesh's world (dp_shard=-1 filled); the context keeps the result.
@@ -52,6 +61,7 @@ def parallelize(model: MoELCModel, layout: ParallelLayout, mesh: DeviceMesh) -> 
     if layout.ep > 1:
         apply_expert_parallel(model, expert_mesh["ep"])
     expose_all_local_parameters(model)
+    apply_activation_checkpointing(model, checkpointing or ActivationCheckpointing())
 
     expert_params = {id(p) for m in model.modules() if isinstance(m, LatentMoE) for p in m.experts.parameters()}
     dp_groups = DataParallelGroups(

@@ -8,7 +8,8 @@ the wrong type is rejected while the recipe is composed, before anything is buil
 The model section is a full `moe_lc.config.ModelConfig`: `recipes/model/<name>.yaml`
 starts from the preset of that name (registered below as `moe_lc_preset/<name>`) and may
 override any of its fields. The layout section is `moe_lc.parallel.ParallelLayout` itself, so
-its choices (dp_mode, param_dtype) are enums that OmegaConf checks while composing.
+its choices (dp_mode, param_dtype) are enums that OmegaConf checks while composing; the same
+holds for `activation_checkpointing` (`moe_lc.parallel.ActivationCheckpointing`, mode an enum).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from omegaconf import MISSING
 
 from moe_lc.config import ModelConfig
 from moe_lc.optim import OptimConfig
+from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing
 from moe_lc.parallel.layout import ParallelLayout
 
 # Data-source prefixes that name built-in data instead of a `.bin`/`.idx` path.
@@ -57,6 +59,9 @@ class StageConfig:
     # untyped so that a stage may name any subset: add one from the command line with
     # +curriculum.stages.NAME.layout.cp=4)
     layout: Any = None
+    # fields of the run's activation_checkpointing that this stage changes, merged over it the same way:
+    # {mode: full}, {mode: selective, every: 2}
+    activation_checkpointing: Any = None
     data: Optional[List[SourceConfig]] = None  # null: the run's data mixture
 
 
@@ -118,6 +123,8 @@ class TrainConfig:
     threads: Optional[int] = None  # CPU intra-op threads (null: torch's default)
     model: ModelConfig = MISSING
     layout: ParallelLayout = field(default_factory=ParallelLayout)  # how the ranks are split
+    # what the decoder layers keep for backward: mode none | selective | full, every, offload
+    activation_checkpointing: ActivationCheckpointing = field(default_factory=ActivationCheckpointing)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

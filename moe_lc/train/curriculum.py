@@ -10,6 +10,10 @@ its own data stream; each data-parallel rank runs `grad_accum` micro-batches of
 
 Where a run stands is (global step, sequences consumed per stage): both layout-independent.
 
+Each stage also has its activation checkpointing policy: the run's, with the stage's
+`activation_checkpointing:` block merged over it. A change of policy between stages does not
+rebuild the model: the trainer re-applies the policy in place (it changes no parameter).
+
 A launch checks the layouts of the stages it will train (`curriculum.run`, up to
 `max_steps`) against its world size; the others only get their step counts, so a recipe
 whose later stages need more ranks still trains its early ones on a small machine.
@@ -18,13 +22,14 @@ whose later stages need more ranks still trains its early ones on a small machin
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from moe_lc.config import ConfigError
+from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing
 from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.train.config import SourceConfig, StageConfig, TrainConfig
-from moe_lc.train.recipes import stage_layout
+from moe_lc.train.recipes import stage_checkpointing, stage_layout
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class StagePlan:
     sources: tuple[SourceConfig, ...]
     run: bool  # trained by this launch (in curriculum.run and starting before max_steps)
     requested: Optional[ParallelLayout] = None  # the layout as the recipe wrote it, before fitting to the world
+    checkpointing: ActivationCheckpointing = field(default_factory=ActivationCheckpointing)  # the stage's policy
 
     @property
     def end_step(self) -> int:
@@ -109,7 +115,7 @@ def plan_curriculum(cfg: TrainConfig, world_size: int, every_stage: bool = False
         sources = tuple(stage.data if stage.data is not None else cfg.data.sources)
         plans.append(StagePlan(
             index, name, stage.seq_len, stage.global_batch_tokens, stage.micro_batch, steps, start, layout, sources,
-            run, requested,
+            run, requested, stage_checkpointing(cfg.activation_checkpointing, name, stage.activation_checkpointing),
         ))
         start += steps
     return plans

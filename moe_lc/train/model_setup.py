@@ -1,9 +1,9 @@
-"""Build the model and optimizer for one parallel layout.
+"""Build the model and optimizer for one parallel layout and activation checkpointing policy.
 
-One rank: the plain model. Several ranks: `moe_lc.parallel` builds the device mesh and
-applies the layout around the model (TP/SP, EP, FSDP2 or ZeRO-1); gradients are then
-summed over data-parallel ranks (the engine's convention), so each rank weights its
-token losses by 1 / (label tokens of the whole global batch).
+One rank: the plain model with the checkpointing policy applied. Several ranks: `moe_lc.parallel`
+builds the device mesh and applies the layout and the policy around the model (TP/SP, EP,
+checkpointing, FSDP2 or ZeRO-1); gradients are then summed over data-parallel ranks (the engine's
+convention), so each rank weights its token losses by 1 / (label tokens of the whole global batch).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch import nn
 
 from moe_lc.config import ConfigError, ModelConfig
 from moe_lc.optim import OptimConfig, build_optimizer, clip_grad_norm
+from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
 from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.train.runtime import Runtime
 
@@ -72,23 +73,31 @@ def _optimizer_over(model: nn.Module, cfg: OptimConfig):
 
 
 def build_model_state(
-    model_cfg: ModelConfig, optim_cfg: OptimConfig, layout: ParallelLayout, runtime: Runtime, seed: int
+    model_cfg: ModelConfig,
+    optim_cfg: OptimConfig,
+    layout: ParallelLayout,
+    runtime: Runtime,
+    seed: int,
+    checkpointing: Optional[ActivationCheckpointing] = None,
 ) -> ModelState:
+    """Model and optimizer for ``layout`` with the activation ``checkpointing`` policy (None: none)."""
     from moe_lc.model.init import build_model
 
     layout.validate(model_cfg, runnable=True)  # before building anything: pp/cp > 1 are only planned so far
+    checkpointing = (checkpointing or ActivationCheckpointing()).check()
     weights = torch.float64 if runtime.compute_dtype == torch.float64 else torch.float32
     model = build_model(model_cfg, device=runtime.device, seed=seed, dtype=weights)
     if runtime.world_size == 1:
         if layout.world_size != 1:
             raise ConfigError(f"the layout needs {layout.world_size} ranks but this is a single process")
+        apply_activation_checkpointing(model, checkpointing)
         model.train()
         return ModelState(model, build_optimizer(model, optim_cfg), layout, None, 0, 1, None, True)
 
     from moe_lc import parallel
 
     mesh = parallel.build_mesh(layout, runtime.world_size, runtime.device.type)
-    model = parallel.parallelize(model, layout, mesh)
+    model = parallel.parallelize(model, layout, mesh, checkpointing)
     model.train()
     if layout.dp_mode == "zero1":
         optimizer = parallel.build_optimizer(model, _optimizer_over(model, optim_cfg))

@@ -1,18 +1,19 @@
 """`moe-lc plan RECIPE`: what a recipe would do, without building anything.
 
 Per stage: tokens and sequences per step, gradient accumulation, steps, FLOPs, and a memory
-estimate per GPU. The memory model is deliberately simple (it is for sizing layouts, not a
-promise):
+estimate per GPU. The memory model is for sizing layouts and checkpointing policies:
 
 - training state, sharded over every rank except data-parallel replicas (FSDP2/ZeRO over
   dp_shard x cp x tp x pp, experts over ep inside that): fp32 weights 4 B + fp32 gradients
   4 B + optimizer state (AdamW 8 B; Muon 4 B for its matrices, 8 B for the rest) per parameter;
-- activations of one micro-batch, bf16, per token per layer of a pipeline stage (tokens split
-  over cp and, with sequence parallelism, tp), for two policies: stored for backward
-  (`activation_elements_per_token` counts the saved tensors of each sublayer) and full
-  recomputation (only each layer's input is kept, plus one layer's working set); 1F1B keeps up
-  to `pp` micro-batches in flight on the first stage;
-- fp32 logits of one micro-batch for the loss (vocabulary split over tp).
+- activations one micro-batch keeps for backward under the stage's activation checkpointing
+  policy (`moe_lc.parallel.activation_memory`: an analytic count per layer and component of the
+  tensors the GPU path saves, tokens split over cp and, with sequence parallelism, tp), for the
+  heaviest layers of a pipeline stage; 1F1B keeps up to `pp` micro-batches in flight on the first
+  stage;
+- the backward's working memory: the recompute of one checkpointed layer, the KDA backward's
+  buffers and gradients in flight, and the loss's logits (one recomputed chunk, vocabulary split
+  over tp).
 """
 
 from __future__ import annotations
@@ -20,36 +21,32 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moe_lc.config import ModelConfig
 from moe_lc.model.accounting import count_parameters, training_flops_per_token
+from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointMode
+from moe_lc.parallel.activation_memory import (
+    GPU_AUTOCAST,
+    GPU_BF16_WEIGHTS,
+    ExecutionPath,
+    backward_working_bytes_per_token,
+    estimate_activations,
+    layer_activations,
+)
+from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.train.config import TrainConfig
 from moe_lc.train.curriculum import StagePlan, plan_curriculum, total_steps
 
 GiB = 1024**3
 H200_BF16_PEAK = 989e12
 PLAN_MFU = 0.4  # assumed model FLOP utilisation for the time estimate
+LOSS_CHUNK_ELEMENTS = 1 << 28  # MoELCModel.loss_chunk_elements: logits computed (and recomputed) per chunk
+LOSS_BYTES_PER_LOGIT = 2 + 4 + 4  # bf16 logits, their fp32 log-probabilities and gradient, one chunk at a time
 
 
-def activation_elements_per_token(cfg: ModelConfig, kind: str, moe: bool) -> float:
-    """Elements one token stores for backward in one decoder layer (both sublayers), roughly."""
-    d = cfg.d_model
-    norms_and_residual = 4 * d  # two pre-norm inputs and outputs
-    if kind == "K":
-        inner = cfg.kda.inner_dim
-        mixer = 10 * inner + cfg.kda.num_heads  # q,k,v before/after conv, decay, gate, output, normed output; beta
-    else:
-        m = cfg.mla
-        H = m.num_heads
-        mixer = (m.q_lora_rank or 0) + m.kv_lora_rank + H * (m.qk_dim + m.qk_dim + 3 * m.v_dim)
-    e = cfg.moe
-    if moe:
-        width = e.latent_dim or d
-        routed = e.top_k * (3 * e.expert_hidden + 2 * width)  # gathered input, gate/in/act, output per slot
-        shared = 3 * e.num_shared * e.expert_hidden
-        ffn = e.num_routed + routed + shared + (2 * width if e.latent_dim else 0)
-    else:
-        ffn = 3 * e.dense_hidden
-    return norms_and_residual + mixer + ffn
+def gpu_execution_path(layout: ParallelLayout) -> ExecutionPath:
+    """How the layers run on GPUs under ``layout``: FSDP with bf16 compute weights, else fp32 weights
+    under bf16 autocast (one process, ZeRO-1, or FSDP with param_dtype float32)."""
+    bf16_weights = layout.world_size > 1 and layout.dp_mode == "fsdp" and layout.param_dtype in ("auto", "bfloat16")
+    return GPU_BF16_WEIGHTS if bf16_weights else GPU_AUTOCAST
 
 
 @dataclass
@@ -59,17 +56,15 @@ class StageEstimate:
     tokens_per_gpu_micro: int
     layers_per_pp_stage: int
     state_gib: float
-    activations_gib: float  # stored for backward
-    activations_recompute_gib: float  # full activation recomputation
-    logits_gib: float
+    activations_gib: float  # kept for backward under the stage's policy
+    by_policy_gib: dict[str, float]  # the same under each policy (none, selective, full)
+    backward_gib: float  # working memory of the backward
+    logits_gib: float  # the loss's working memory
 
     @property
     def total_gib(self) -> float:
-        return self.state_gib + self.activations_gib + self.logits_gib
-
-    @property
-    def total_recompute_gib(self) -> float:
-        return self.state_gib + self.activations_recompute_gib + self.logits_gib
+        """The estimated peak: state, what is kept for backward, and the backward's working memory."""
+        return self.state_gib + self.activations_gib + self.backward_gib + self.logits_gib
 
 
 def training_state_bytes_per_param(optimizer: str) -> float:
@@ -82,23 +77,32 @@ def estimate_stage(cfg: TrainConfig, stage: StagePlan) -> StageEstimate:
     state = params * training_state_bytes_per_param(cfg.optim.name) / (L.state_shards)
     tokens = stage.micro_batch * stage.seq_len // (L.cp * L.tp)
     layers = math.ceil(m.num_layers / L.pp)
-    per_layer = [
-        activation_elements_per_token(m, kind, moe=not m.is_dense_layer(i)) for i, kind in enumerate(m.pattern)
-    ]
-    heaviest = sorted(per_layer, reverse=True)[:layers]
     in_flight = min(L.pp, max(1, stage.grad_accum))
-    bf16 = 2
-    stored = tokens * sum(heaviest) * bf16 * in_flight
-    recompute = tokens * (layers * m.d_model * bf16 * in_flight + max(per_layer) * bf16)
-    logits = stage.micro_batch * stage.seq_len // L.cp * (m.padded_vocab_size // L.tp) * 4
+    path = gpu_execution_path(L)
+    per_layer = layer_activations(m, path)
+
+    def kept(policy: ActivationCheckpointing) -> float:
+        est = estimate_activations(m, policy, tokens * L.tp, path, per_layer)  # the loss sees T / cp tokens
+        trunk = sorted((v for k, v in est.by_layer.items() if k.startswith("layer")), reverse=True)[:layers]
+        # embedding, output mixture, loss and MTP (on the first or last pp stage); the loss gathers the
+        # sequence but splits the vocabulary, so its log-probabilities per sequence-shard token stay the same
+        extra = est.by_layer["other"] + est.by_layer.get("mtp", 0.0)
+        return tokens * (sum(trunk) + extra) * in_flight
+
+    by_policy = {mode.value: kept(ActivationCheckpointing(mode, stage.checkpointing.every)) / GiB
+                 for mode in CheckpointMode}
+    backward = tokens * backward_working_bytes_per_token(m, stage.checkpointing, path, per_layer)
+    loss_tokens = stage.micro_batch * stage.seq_len // L.cp
+    logits = min(loss_tokens * (m.padded_vocab_size // L.tp), LOSS_CHUNK_ELEMENTS) * LOSS_BYTES_PER_LOGIT
     return StageEstimate(
         stage,
         training_flops_per_token(m, stage.seq_len),
         tokens,
         layers,
         state / GiB,
-        stored / GiB,
-        recompute / GiB,
+        kept(stage.checkpointing) / GiB,
+        by_policy,
+        backward / GiB,
         logits / GiB,
     )
 
@@ -132,14 +136,16 @@ def plan_text(cfg: TrainConfig, world_size: int) -> str:
             f"{p.sequences_per_step:>9}{p.grad_accum:>7}{p.steps:>9}{p.start_step:>9}{_human(p.tokens):>9}"
             f"{est.flops_per_token:>10.3g}  {p.layout.describe()}"
         )
-    lines += ["", "memory per GPU (GiB, estimate): state + activations (stored | full recompute) + logits"]
+    lines += ["", "memory per GPU (GiB, estimate): state + activations kept for backward under the stage's "
+                  "checkpointing + backward working memory + logits => peak (activations under none | selective | full)"]
     for est in estimates:
         p = est.stage
         hours = p.tokens * est.flops_per_token / (H200_BF16_PEAK * PLAN_MFU * p.layout.world_size) / 3600
+        alternatives = " | ".join(f"{v:.1f}" for v in est.by_policy_gib.values())
         lines.append(
-            f"  {p.name:<10} state {est.state_gib:8.2f}  act {est.activations_gib:9.2f} | {est.activations_recompute_gib:8.2f}"
-            f"  logits {est.logits_gib:6.2f}  => {est.total_gib:9.2f} | {est.total_recompute_gib:8.2f}"
-            f"   ~{hours:,.1f} h on {p.layout.world_size} H200 at {PLAN_MFU:.0%} MFU"
+            f"  {p.name:<10} state {est.state_gib:7.2f}  act {est.activations_gib:8.2f} ({p.checkpointing.describe()})"
+            f"  bwd {est.backward_gib:6.2f}  logits {est.logits_gib:5.2f}  => {est.total_gib:8.2f}"
+            f"  ({alternatives})   ~{hours:,.1f} h on {p.layout.world_size} H200 at {PLAN_MFU:.0%} MFU"
         )
     lowered = {p.name: p.layout.lowered_from(p.requested) for p in plans}
     fitted = "; ".join(f"{name} {', '.join(changes)}" for name, changes in lowered.items() if changes)

@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from moe_lc.config import ConfigError
+from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing
 from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.train.config import PRESET_GROUP, SCHEMA_NAME, TrainConfig, register_configs
 
@@ -164,18 +165,36 @@ def _field_type(kind: type, name: str) -> Any:
     return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
 
 
-def stage_layout(run_layout: ParallelLayout, stage: str, block: Optional[Mapping[str, Any]]) -> ParallelLayout:
-    """The run's layout with a stage's `layout:` block merged over it (OmegaConf checks each key and value)."""
-    where = f"curriculum.stages.{stage}.layout"
+def stage_override(run_value: Any, where: str, block: Optional[Mapping[str, Any]], example: str) -> Any:
+    """The run's structured config ``run_value`` with a stage's block merged over it (OmegaConf checks
+    each key and value); ``where`` names the block and ``example`` shows one in the error for a non-mapping."""
     if block is None:
-        return run_layout
+        return run_value
     if not isinstance(block, Mapping):
-        raise ConfigError(f"{where}={block!r}: give the layout fields this stage changes, e.g. {{cp: 2}}")
+        section = where.rsplit(".", 1)[-1]
+        raise ConfigError(f"{where}={block!r}: give the {section} fields this stage changes, e.g. {example}")
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(run_layout), block)
+        merged = OmegaConf.merge(OmegaConf.structured(run_value), block)
     except OmegaConfBaseException as err:
         raise ConfigError(explain_field_error(err, where) or f"{where}: {_first_line(err)}") from err
     return OmegaConf.to_object(merged)
+
+
+def stage_layout(run_layout: ParallelLayout, stage: str, block: Optional[Mapping[str, Any]]) -> ParallelLayout:
+    """The run's layout with a stage's `layout:` block merged over it."""
+    return stage_override(run_layout, f"curriculum.stages.{stage}.layout", block, "{cp: 2}")
+
+
+def stage_checkpointing(
+    run_policy: ActivationCheckpointing, stage: str, block: Optional[Mapping[str, Any]]
+) -> ActivationCheckpointing:
+    """The run's activation checkpointing with a stage's `activation_checkpointing:` block merged over it."""
+    where = f"curriculum.stages.{stage}.activation_checkpointing"
+    policy = stage_override(run_policy, where, block, "{mode: full}")
+    try:
+        return policy.check()
+    except ConfigError as err:
+        raise ConfigError(f"curriculum.stages.{stage}: {err}") from err
 
 
 def validate_train_config(cfg: TrainConfig) -> TrainConfig:
@@ -206,6 +225,7 @@ def validate_train_config(cfg: TrainConfig) -> TrainConfig:
     need(bool(cfg.data.sources), "data.sources is empty: give at least one {prefix: ..., weight: ...}")
 
     cfg.layout.check_degrees()
+    cfg.activation_checkpointing.check()
     stages = cfg.curriculum.stages
     need(bool(stages), f"curriculum {cfg.curriculum.name!r} has no stages; add some under curriculum.stages")
     for name, st in stages.items():
@@ -215,6 +235,7 @@ def validate_train_config(cfg: TrainConfig) -> TrainConfig:
             layout.check_degrees()
         except ConfigError as err:
             raise ConfigError(f"{where}: {err}") from err
+        stage_checkpointing(cfg.activation_checkpointing, name, st.activation_checkpointing)
         need(st.seq_len > 1, f"{where}.seq_len={st.seq_len} must be > 1")
         need(st.global_batch_tokens > 0, f"{where}.global_batch_tokens={st.global_batch_tokens} must be > 0")
         need(st.micro_batch >= 1, f"{where}.micro_batch={st.micro_batch} must be >= 1")

@@ -1,7 +1,8 @@
 """The training loop: curriculum stages inside one run, checkpoints, exact resume, metrics.
 
     for each stage this launch runs (in curriculum order):
-        build the stage's data (sequence length, mixture); rebuild the model if the layout changes
+        build the stage's data (sequence length, mixture); rebuild the model if the layout changes,
+        re-apply the activation checkpointing policy in place if only that changes
         for each step of the stage:
             micro-batches of this rank -> forward/backward -> clip -> optimizer step -> QB update
             log metrics; checkpoint every `checkpoint.every` steps
@@ -33,6 +34,7 @@ import torch
 from moe_lc.checkpoint import CheckpointManager, restore_rng
 from moe_lc.metrics import device_peak_flops, mfu, peak_memory_bytes
 from moe_lc.model.accounting import count_parameters, training_flops_per_token
+from moe_lc.parallel.activation_checkpointing import activation_checkpointing_of, apply_activation_checkpointing
 from moe_lc.train.config import TrainConfig
 from moe_lc.train.curriculum import StagePlan, next_step_to_run, plan_curriculum, stage_at, total_steps
 from moe_lc.train.data import StageData, build_stage_data, eval_dataset
@@ -136,6 +138,9 @@ class Trainer:
                         summary.checkpoints.append(str(self._save(state, stage_at(plans, position.step - 1), position)))
                     state = None  # free the old model before building the new one
                     state = self._build_state(plan, None, None, position, rebuild=True)
+                elif activation_checkpointing_of(state.model) != plan.checkpointing:  # no parameter changes
+                    apply_activation_checkpointing(state.model, plan.checkpointing)
+                    self.log.message(f"activation checkpointing for stage {plan.name}: {plan.checkpointing.describe()}")
                 data = build_stage_data(plan, cfg.data, cfg.model.vocab_size, cfg.seed, sync=self.runtime.rank0_first)
                 self.log.message(
                     f"stage {plan.name}: seq_len {plan.seq_len}, {plan.sequences_per_step} seq/step "
@@ -238,7 +243,7 @@ class Trainer:
             self.log.message(f"layout changes for stage {plan.name}: {plan.layout.describe()}; reloading {resume_path}")
             if self.runtime.device.type == "cuda":
                 torch.cuda.empty_cache()
-        state = build_model_state(cfg.model, cfg.optim, plan.layout, self.runtime, cfg.seed)
+        state = build_model_state(cfg.model, cfg.optim, plan.layout, self.runtime, cfg.seed, plan.checkpointing)
         if resume_path is not None:
             trainer, rng = self.checkpoints.load(resume_path, state.model, state.optimizer)
             if rng is not None:

@@ -1,0 +1,363 @@
+"""What the forward keeps for backward, in bytes per token, from the model config and the checkpointing policy.
+
+An analytic count of the tensors each decoder layer leaves in memory after its forward, component
+by component, for the three policies of `moe_lc.parallel.activation_checkpointing`:
+
+- none: every tensor an op saves for its backward (and the residual-stream tensors);
+- selective: the outputs of the matmuls and of attention, what the KDA recurrence saves, and the
+  layer's output stream tensor (everything else is recomputed);
+- full: the layer's output stream tensors only.
+
+The count follows the code tensor by tensor (which op saves which of its inputs or outputs, in
+which dtype). Two execution paths differ in what their ops save: the CPU reference ops (the torch
+KDA, short convolution and attention) and the GPU's fused kernels under bf16 autocast (Triton
+KDA and convolution, CUDA attention). The reference path is checked against the measured count
+of `moe_lc.metrics.saved_activations` (tests/test_activation_memory.py); the fused path's
+kernel-specific terms are the named constants below, to be calibrated with
+`benchmarks/bench_memory.py` on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from moe_lc.config import ModelConfig
+from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointMode
+
+FP32 = 4
+INDEX = 8  # int64 routing indices
+KDA_CHUNK = 64
+
+# The torch reference KDA op (moe_lc.ops._kda_chunk via chunk_kda_from_projections) keeps, per head
+# and token, a*K + b*V + c*K*V + e fp32 values besides its output (fitted exactly to its measured
+# saved storages: chunk matrices, decays, the triangular solve, the gate).
+REFERENCE_KDA_FLOATS = (26.203125, 3.0, 1.0 / 64, 200.5)
+
+# The fused Triton KDA (moe_lc_kernels.kda, save_prep="inverse") keeps per head and token, besides its
+# inputs: Aqk (CHUNK values in the activation dtype), the UT inverse X (CHUNK fp32) and the two row
+# norms (fp32). Segment start states and transitions (< 10 MB a layer) are not per token.
+FUSED_KDA_EXTRA_FP32_PER_HEAD = KDA_CHUNK + 2
+FUSED_KDA_EXTRA_ACT_PER_HEAD = KDA_CHUNK
+
+# Attention on CUDA (SDPA, memory-efficient / cuDNN kernels) keeps q, k, v, the output and the
+# log-sum-exp (fp32 per head and token).
+ATTENTION_LSE_FP32_PER_HEAD = 1
+
+# Working memory of the backward on top of what is stored (calibrate with bench_memory.py): per
+# token, the fp32 gradients of a few residual-stream tensors in flight, and what the fused KDA
+# backward holds while one layer runs (per-chunk states and state gradients, bf16 + fp32,
+# T/64 x H x K x V; G and scratch, fp32 [T, H, K] each).
+BACKWARD_STREAM_GRADIENTS = 4
+
+
+def fused_kda_backward_bytes_per_head(key_dim: int, value_dim: int) -> float:
+    return key_dim * value_dim * (2 + FP32) / KDA_CHUNK + 2 * FP32 * key_dim
+
+
+@dataclass(frozen=True)
+class ExecutionPath:
+    """Which kernels compute the layers and in which dtypes."""
+
+    act: int  # bytes of a matmul output (2 under bf16 autocast or bf16 weights, 4 in fp32)
+    stream: int  # bytes of the embedding and the AttnRes mixtures (the weights' dtype)
+    casts: bool  # bf16 autocast over fp32 tensors: every linear keeps its own bf16 copy of its input
+    fused: bool  # Triton KDA and short convolution, CUDA attention (else the torch reference ops)
+
+
+REFERENCE_FP32 = ExecutionPath(act=4, stream=4, casts=False, fused=False)  # CPU, fp32
+GPU_AUTOCAST = ExecutionPath(act=2, stream=4, casts=True, fused=True)  # one GPU or ZeRO-1: fp32 weights, autocast
+GPU_BF16_WEIGHTS = ExecutionPath(act=2, stream=2, casts=False, fused=True)  # FSDP computing with bf16 weights
+
+
+@dataclass
+class _Tally:
+    """Bytes per token one layer keeps: without checkpointing (none) and under the selective policy."""
+
+    none: float = 0.0
+    selective: float = 0.0
+
+    def saved(self, nbytes: float) -> None:
+        """A tensor some op saves, recomputed under the selective policy."""
+        self.none += nbytes
+
+    def matmul(self, nbytes: float, saved: bool) -> None:
+        """A matmul or attention output: kept by the selective policy; saved by a consumer or not."""
+        self.selective += nbytes
+        if saved:
+            self.none += nbytes
+
+    def kept(self, nbytes: float) -> None:
+        """Kept under both (what the KDA recurrence saves)."""
+        self.none += nbytes
+        self.selective += nbytes
+
+
+def _norm(t: _Tally, width: int, x_bytes: int, path: ExecutionPath, readers: int = 1, rows: int = 1) -> bool:
+    """RMSNorm over ``rows`` groups of a ``width``-wide input of ``x_bytes`` per value, whose output
+    ``readers`` linears read (0: no op saves it).
+
+    Keeps the normalised fp32 values and the inverse rms; an fp32 copy of a narrower input; its
+    output, or under autocast each reader's bf16 copy of an fp32 output. Returns whether the input
+    itself stays saved (only an fp32 input is used in place)."""
+    t.saved(FP32 * width + FP32 * rows)
+    if x_bytes < FP32:
+        t.saved(FP32 * width)
+    if path.casts and x_bytes > path.act:
+        t.saved(readers * path.act * width)
+    elif readers:
+        t.saved(x_bytes * width)
+    return x_bytes == FP32
+
+
+def _glu(t: _Tally, rows: float, hidden: int, activation: str, path: ExecutionPath) -> None:
+    """W_out act(W_gate x, W_in x) on ``rows`` per token (its input is counted by the caller)."""
+    swiglu = activation == "swiglu"
+    t.matmul(2 * rows * path.act * hidden, saved=swiglu)  # a and c: SwiGLU keeps them, SiTU its tanh terms
+    t.saved((2 if swiglu else 7) * rows * path.act * hidden)  # the activation's saved terms and its output
+
+
+def _kda(t: _Tally, cfg: ModelConfig, path: ExecutionPath) -> None:
+    k, d, A = cfg.kda, cfg.d_model, path.act
+    H, K = k.num_heads, k.head_dim
+    inner, rank = H * K, k.decay_rank or K
+    t.matmul(3 * A * inner, saved=True)  # q, k, v projections (the convolutions keep their inputs)
+    t.kept((3 if path.fused else 2) * A * inner)  # convolution outputs the recurrence keeps (q, k; v fused)
+    if not path.fused:
+        t.saved(k.conv_size * 3 * A * inner)  # reference convolution: shifted taps and the SiLU input
+    t.matmul(A * rank, saved=True)  # decay_down (kept by decay_up)
+    t.matmul(A * inner, saved=path.fused)  # decay logit z
+    t.matmul(A * H, saved=path.fused)  # beta logits
+    if path.fused:
+        t.kept(H * (FP32 * FUSED_KDA_EXTRA_FP32_PER_HEAD + A * FUSED_KDA_EXTRA_ACT_PER_HEAD))
+    else:
+        a, b, c, e = REFERENCE_KDA_FLOATS
+        V = K  # KDA's value head dim is its key head dim
+        t.kept(FP32 * H * (a * K + b * V + c * K * V + e))
+    t.selective += A * inner  # the recurrence's output o, kept by the policy ...
+    if _norm(t, inner, A, path, rows=H):  # ... and by the per-head output norm when it is fp32
+        t.none += A * inner
+    if k.output_gate == "low_rank":
+        t.matmul(A * (k.output_gate_rank or K), saved=True)
+    t.matmul(A * inner, saved=False)  # gate logits (the sigmoid keeps its output)
+    t.saved(2 * A * inner)  # sigmoid(gate) and gate * o (o_proj's input)
+    t.matmul(A * d, saved=False)  # o_proj: the sublayer output, counted with the stream
+
+
+def _kda_readers(cfg: ModelConfig) -> int:
+    return 6  # q, k, v, beta, decay_down and the (first) gate projection read the normed input
+
+
+def _mla(t: _Tally, cfg: ModelConfig, path: ExecutionPath) -> None:
+    m, d, A = cfg.mla, cfg.d_model, path.act
+    H, qk = m.num_heads, m.qk_dim
+    if m.q_lora_rank:
+        t.matmul(A * m.q_lora_rank, saved=A == FP32)  # kept by its norm when fp32
+        _norm(t, m.q_lora_rank, A, path)
+    t.matmul(A * H * qk, saved=True)  # q (attention keeps it)
+    t.matmul(A * m.kv_lora_rank, saved=A == FP32)
+    _norm(t, m.kv_lora_rank, A, path)
+    padded_v = not path.fused and m.v_dim < qk  # the CPU attention kernel wants v as wide as q
+    t.matmul(A * H * (m.qk_nope_dim + m.v_dim), saved=not padded_v or m.qk_rope_dim == 0)  # k_nope, v views
+    if m.qk_rope_dim:
+        t.matmul(A * m.qk_rope_dim, saved=False)
+        t.saved(A * H * qk)  # k = [k_nope, k_shared] (attention keeps it)
+    if padded_v:
+        t.saved(A * H * qk)  # v padded to q's width
+    t.matmul(A * H * (qk if padded_v else m.v_dim) + FP32 * H * ATTENTION_LSE_FP32_PER_HEAD, saved=True)
+    hv = H * m.v_dim
+    if m.gate:
+        t.saved(A * hv)  # o as [B, T, H v] (the gate product keeps it)
+        t.matmul(A * hv, saved=False)
+        t.saved(A * hv)  # sigmoid(gate)
+    t.saved(A * hv)  # o_proj's input
+    t.matmul(A * d, saved=False)
+
+
+def _mla_readers(cfg: ModelConfig) -> int:
+    m = cfg.mla
+    return 2 + (m.qk_rope_dim > 0) + bool(m.gate)
+
+
+def _moe(t: _Tally, cfg: ModelConfig, path: ExecutionPath) -> None:
+    e, d, A = cfg.moe, cfg.d_model, path.act
+    k, width = e.top_k, e.latent_dim or d
+    t.matmul(A * e.num_routed, saved=False)
+    t.saved(FP32 * e.num_routed)  # sigmoid scores
+    t.saved(INDEX * (3 * k + 1) + FP32 * (2 * k + 1))  # selection, order, rows' tokens, weights
+    if e.latent_dim:
+        t.matmul(A * width, saved=False)  # z (only gathered)
+    t.saved(A * k * width)  # the gathered rows (the experts' input)
+    _glu(t, k, e.expert_hidden, e.activation, path)
+    t.matmul(A * k * width, saved=A == FP32)  # expert outputs (kept by the weighting when fp32)
+    if A < FP32:
+        t.saved(FP32 * k * width)  # ... else their fp32 copy
+    t.saved(FP32 * k * width)  # weighted outputs
+    if e.latent_dim:
+        if _norm(t, width, A, path):  # the combined u (fp32 when the model is)
+            t.saved(A * width)
+        t.matmul(A * d, saved=False)
+    if e.num_shared:
+        _glu(t, 1, e.num_shared * e.expert_hidden, e.activation, path)
+        t.matmul(A * d, saved=False)
+
+
+def _moe_readers(cfg: ModelConfig) -> int:
+    e = cfg.moe
+    return 1 + bool(e.latent_dim) + (2 if e.num_shared else 0)
+
+
+def _dense_ffn(t: _Tally, cfg: ModelConfig, path: ExecutionPath) -> None:
+    _glu(t, 1, cfg.moe.dense_hidden, cfg.moe.activation, path)
+    t.matmul(path.act * cfg.d_model, saved=False)
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Bytes per token one decoder layer keeps for backward under each policy."""
+
+    label: str  # layer<i> or mtp
+    none: float
+    selective: float
+    full: float
+
+    def under(self, mode: CheckpointMode) -> float:
+        return {CheckpointMode.none: self.none, CheckpointMode.selective: self.selective,
+                CheckpointMode.full: self.full}[CheckpointMode(mode)]
+
+
+def _sublayer_input(t: _Tally, cfg: ModelConfig, sources: int, stream_bytes: int, readers: int,
+                    path: ExecutionPath) -> None:
+    """The AttnRes mixture over ``sources`` (when there is more than one) and the pre-norm."""
+    d = cfg.d_model
+    if sources > 1:
+        t.saved(2 * FP32 * sources)  # mixture weights and inverse rms per source
+        if _norm(t, d, stream_bytes, path, readers):
+            t.saved(stream_bytes * d)  # the mixture itself, the norm's input
+    else:
+        _norm(t, d, stream_bytes, path, readers)  # on a stream tensor that is kept anyway
+
+
+def _layer(cfg: ModelConfig, label: str, kind: str, dense: bool, sources: tuple[int, int], mode: str,
+           path: ExecutionPath) -> LayerActivations:
+    """One layer whose two sublayers mix ``sources`` = (attention's, FFN's) sources."""
+    d, A = cfg.d_model, path.act
+    mixed = max(path.stream, A)  # mixtures and the plain residual promote to the wider of the two
+    t = _Tally()
+    _sublayer_input(t, cfg, sources[0], mixed, _kda_readers(cfg) if kind == "K" else _mla_readers(cfg), path)
+    (_kda if kind == "K" else _mla)(t, cfg, path)
+    _sublayer_input(t, cfg, sources[1], mixed, 2 if dense else _moe_readers(cfg), path)
+    (_dense_ffn if dense else _moe)(t, cfg, path)
+    out_bytes = mixed if mode == "none" else A  # the plain residual keeps the embedding's dtype
+    t.none += 2 * out_bytes * d  # the stream after each sublayer
+    # Selective keeps the layer's new stream tensor; in full mode the sources are the sublayer outputs,
+    # of which only the MoE's (a sum) is not a kept matmul output.
+    t.selective += (0 if mode == "full" and dense else 1) * out_bytes * d
+    outputs = 2 if mode == "full" else 1  # full mode: two new sources; else the new partial sum
+    return LayerActivations(label, t.none, t.selective, outputs * out_bytes * d)
+
+
+def layer_activations(cfg: ModelConfig, path: ExecutionPath) -> list[LayerActivations]:
+    """Every decoder layer of the trunk, then the MTP layer, in bytes per token for each policy."""
+    mode, block = cfg.attn_res.mode, cfg.attn_res.block_size
+    completed, partial = 1, False  # the embedding is the first source
+    layers = []
+    for i, kind in enumerate(cfg.pattern):
+        if mode == "none":
+            sources = (1, 1)
+        else:
+            attn = completed + partial
+            sources = (attn, attn + 1 if mode == "full" else completed + 1)
+        layers.append(_layer(cfg, f"layer{i}", kind, cfg.is_dense_layer(i), sources, mode, path))
+        if mode == "full":
+            completed += 2
+        elif mode == "block" and (i + 1) % block == 0:
+            completed, partial = completed + 1, False
+        else:
+            partial = True
+    if cfg.mtp:
+        layers.append(_layer(cfg, "mtp", "M", cfg.is_dense_layer(cfg.num_layers), (1, 1), "none",
+                             _mtp_path(path)))
+    return layers
+
+
+def _mtp_path(path: ExecutionPath) -> ExecutionPath:
+    """The MTP layer's residual starts from a projection: its stream has the activation dtype."""
+    return replace(path, stream=path.act)
+
+
+def final_sources(cfg: ModelConfig) -> int:
+    """Sources of the output mixture (the embedding, completed blocks or outputs, the partial sum)."""
+    mode, L = cfg.attn_res.mode, cfg.num_layers
+    if mode == "none":
+        return 1
+    if mode == "full":
+        return 1 + 2 * L
+    return 1 + L // cfg.attn_res.block_size + (L % cfg.attn_res.block_size > 0)
+
+
+def outside_layers_bytes(cfg: ModelConfig, tokens: int, path: ExecutionPath, loss_chunk_elements: int = 1 << 28) -> float:
+    """Bytes per token kept outside the decoder layers: the embedding, the output mixture and norm, the
+    LM loss (its log-probabilities unless the loss is computed in recomputed chunks) and the MTP head."""
+    d, A = cfg.d_model, path.act
+    mixed = max(path.stream, A)
+    t = _Tally()
+    t.saved(path.stream * d)  # the embedding (the first source)
+    chunked = tokens > max(1, loss_chunk_elements // cfg.padded_vocab_size)
+    # the LM head reads the final norm's output; recomputed loss chunks keep that output itself
+    _sublayer_input(t, cfg, final_sources(cfg), mixed, 1, replace(path, casts=False) if chunked else path)
+    if not chunked:
+        t.saved(FP32 * cfg.vocab_size)  # log-probabilities
+    if cfg.mtp:
+        t.saved(path.stream * d)  # the next token's embedding
+        _norm(t, d, mixed, path, readers=0)
+        _norm(t, d, path.stream, path, readers=0)
+        t.saved(2 * A * d)  # the projection's input
+        t.saved(A * d)  # its output: the MTP layer's residual
+        _norm(t, d, A, path)
+        t.saved(FP32 * cfg.vocab_size)  # the MTP loss is not chunked
+    return t.none
+
+
+@dataclass
+class ActivationEstimate:
+    """Bytes per token a micro-batch keeps for backward under one policy, by layer, and the peak extra."""
+
+    policy: ActivationCheckpointing
+    by_layer: dict[str, float] = field(default_factory=dict)  # layer<i>, mtp, other
+
+    @property
+    def per_token(self) -> float:
+        return sum(self.by_layer.values())
+
+
+def estimate_activations(
+    cfg: ModelConfig,
+    policy: ActivationCheckpointing,
+    tokens: int,
+    path: ExecutionPath = GPU_AUTOCAST,
+    layers: Optional[list[LayerActivations]] = None,
+) -> ActivationEstimate:
+    """What one micro-batch of ``tokens`` tokens keeps per token under ``policy`` on ``path``."""
+    layers = layers if layers is not None else layer_activations(cfg, path)
+    by_layer = {}
+    for i, layer in enumerate(layers):
+        checkpointed = policy.checkpoints(i if layer.label != "mtp" else cfg.num_layers)
+        by_layer[layer.label] = layer.under(policy.mode if checkpointed else CheckpointMode.none)
+    by_layer["other"] = outside_layers_bytes(cfg, tokens, path)
+    return ActivationEstimate(policy, by_layer)
+
+
+def backward_working_bytes_per_token(cfg: ModelConfig, policy: ActivationCheckpointing, path: ExecutionPath,
+                                     layers: Optional[list[LayerActivations]] = None) -> float:
+    """Extra bytes per token while the backward runs: the recompute of the heaviest checkpointed layer,
+    gradients of stream tensors, and the fused KDA backward's buffers."""
+    layers = layers if layers is not None else layer_activations(cfg, path)
+    recompute = 0.0
+    for i, layer in enumerate(layers):
+        if policy.checkpoints(i if layer.label != "mtp" else cfg.num_layers):
+            recompute = max(recompute, layer.none - layer.under(policy.mode))
+    kda = 0.0
+    if path.fused and "K" in cfg.pattern:
+        kda = cfg.kda.num_heads * fused_kda_backward_bytes_per_head(cfg.kda.head_dim, cfg.kda.head_dim)
+    return recompute + kda + BACKWARD_STREAM_GRADIENTS * FP32 * cfg.d_model
