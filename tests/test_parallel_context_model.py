@@ -6,7 +6,8 @@ tokens, and the parameters' gradients summed over the ranks, equal one process's
 the flex backend's forward (no CPU backward) likewise.
 
 The whole tiny model (AttnRes blocks, MTP on, quantile balancing) in float64 trains three AdamW
-steps under cp = 2, cp = 2 x dp_shard = 2 with ep = 2, and cp = 2 x tp = 2: losses, last-step
+steps under cp = 2 (FSDP and ZeRO-1), cp = 2 x dp_shard = 2 with ep = 2, cp = 2 x dp_replicate = 2
+(HSDP) and cp = 2 x tp = 2: losses, last-step
 gradients and parameters equal one process's to rel < 1e-10 (float64, where any real error stands
 out by many orders of magnitude; summation orders differ only by rounding), and the QB biases are
 bit-identical on every rank and within 1e-12 of one process's. Each step's objective is the mean
@@ -14,7 +15,8 @@ LM loss over the global batch's label tokens plus 0.1 x the mean MTP loss over i
 each weighted by its own global token count, so that it is the same number for any split of the
 rows over ranks.
 
-Two spawns (2 and 4 ranks) run every case; the references run in this process.
+Two spawns (2 and 4 ranks) run every case; the references run in this process. The HSDP mesh
+over dp_replicate x (dp_shard x cp) is checked on a fake 8-rank world.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from moe_lc.model.transformer import IGNORE_INDEX, mtp_labels
 from moe_lc.ops.attention import document_mask
 from moe_lc.ops.documents import DocumentBounds
 from moe_lc.parallel.context import ContextShard, shard_documents, shard_model_inputs, shard_row
+from moe_lc.parallel.parallelize import _fsdp_mesh
 from moe_lc.presets import get_preset
 
 F64 = torch.float64
@@ -197,7 +200,10 @@ def reference_training() -> dict:
 
 
 # ----------------------------------------------------------------------------- the spawns
-MODEL_LAYOUTS = {2: [dict(cp=2)], 4: [dict(dp_shard=2, cp=2, ep=2), dict(cp=2, tp=2)]}
+MODEL_LAYOUTS = {
+    2: [dict(cp=2), dict(cp=2, dp_mode="zero1")],
+    4: [dict(dp_shard=2, cp=2, ep=2), dict(dp_replicate=2, cp=2), dict(cp=2, tp=2)],
+}
 
 
 def rank_runs() -> dict:
@@ -296,3 +302,19 @@ def test_mtp_targets_are_cut_from_the_whole_row():
     end = ROW // 4 - 1  # chunk 0's last token: its MTP target is label 16, rank 1's first
     if whole[0, end] != IGNORE_INDEX:
         assert whole[0, end] == labels[0, end + 1]
+
+
+def test_hsdp_shards_over_dp_shard_and_cp_flattened():
+    """dp_replicate x dp_shard x cp x tp = 2 x 2 x 2 x 2: FSDP replicates over dp_replicate and shards
+    over the 4 ranks of dp_shard x cp that share this rank's tp coordinate (no communication: a fake
+    process group)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from moe_lc.parallel import ParallelLayout, build_mesh
+
+    for rank, expected in [(0, [[0, 2, 4, 6], [8, 10, 12, 14]]), (11, [[1, 3, 5, 7], [9, 11, 13, 15]])]:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=16)
+        try:
+            mesh = _fsdp_mesh(build_mesh(ParallelLayout(dp_replicate=2, dp_shard=2, cp=2, tp=2)), ("dp_shard", "cp"))
+            assert mesh.mesh.tolist() == expected and mesh.mesh_dim_names == ("dp_replicate", "dp_shard_cp")
+        finally:
+            dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""Parallelism around the model (SPEC 3): device meshes, TP + SP, EP, FSDP2 / ZeRO-1.
+"""Parallelism around the model (SPEC 3): device meshes, TP + SP, EP, CP, FSDP2 / ZeRO-1.
 
 Typical use (every rank, after ``torch.distributed.init_process_group``)::
 
