@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from host_reads import forbid_host_reads, guarded
 from parallel_harness import biases, full_state, full_tensor, run_distributed
 from moe_lc.config import MLAConfig
 from moe_lc.model.init import build_model
@@ -286,6 +287,17 @@ def test_a_whole_row_under_cp_is_refused(ranks):
     if world != 2:
         pytest.skip("checked in the two-rank spawn")
     assert "shard_model_inputs" in results[0]["unsharded"] and "layout.cp=2" in results[0]["unsharded"]
+
+
+def test_the_context_path_never_reads_the_device_boundaries():
+    """The sharded model (cp = 1: no communication) forms its inputs, masks and MTP targets from the
+    host boundaries: the device copy is never read back."""
+    ids, labels, bounds = step_rows(0)[0]
+    model = build_model(model_config(), "cpu", seed=0, dtype=F64)
+    inputs = shard_model_inputs(ids, labels, guarded(bounds), ContextShard.of(None, ROW))
+    with forbid_host_reads():
+        out = model(**inputs, return_logits=False)
+        (out.lm_loss + out.mtp_loss).backward()
 
 
 def test_mtp_targets_are_cut_from_the_whole_row():

@@ -52,12 +52,12 @@ class GatedMLA(nn.Module):
         q = self.q_up(self.q_norm(self.q_down(x))) if c.q_lora_rank is not None else self.q_proj(x)
         q = q.view(B, T, -1, c.qk_dim)  # heads from the shape: H/tp under tensor parallelism
         H = q.shape[2]
-        c_kv, *k_shared = row.wait()  # [B, S, r] (S = T, or the whole row's length under context parallelism)
+        c_kv, *shared_key = row.wait()  # [B, S, r] (S = T, or the whole row's length under context parallelism)
         S = c_kv.shape[1]
         kv = self.kv_up(c_kv).view(B, S, H, c.qk_nope_dim + c.v_dim)
         k_nope, v = kv.split([c.qk_nope_dim, c.v_dim], dim=-1)
-        if k_shared:
-            k = torch.cat([k_nope, k_shared[0].unsqueeze(2).expand(B, S, H, c.qk_rope_dim)], dim=-1)
+        if shared_key:
+            k = torch.cat([k_nope, shared_key[0].unsqueeze(2).expand(B, S, H, c.qk_rope_dim)], dim=-1)
         else:
             k = k_nope
         # one call for all documents; the mask is built once per batch and shared by the MLA layers

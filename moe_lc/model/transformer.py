@@ -232,8 +232,8 @@ def _check_documents(input_ids: torch.Tensor, docs: Optional[DocumentBounds]) ->
     if docs.shard is not None:
         local = docs.shard.context.local_len
         if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] != local:
-            raise ValueError(f"MoELCModel: under context parallelism input_ids must be this rank's shard [1, {local}] of "
-                             f"the row of {docs.total} tokens, got {tuple(input_ids.shape)}; cut it with "
+            raise ValueError(f"MoELCModel: under context parallelism input_ids must be this rank's shard [1, {local}] "
+                             f"of the row of {docs.total} tokens, got {tuple(input_ids.shape)}; cut it with "
                              "moe_lc.parallel.context.shard_model_inputs")
         return
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or docs.total != input_ids.shape[1]:

@@ -405,10 +405,9 @@ def _pieces_mask(seq_len: int, cu_seqlens: Optional[Tensor], bounds: Optional[tu
     shift = upload(torch.tensor(pieces.key_starts) - cu_k[:-1], device)
     key_index = torch.arange(int(cu_k[-1]), device=device) + torch.repeat_interleave(
         shift, upload(torch.tensor(key_lengths), device), output_size=int(cu_k[-1]))
-    return DocumentMask("varlen", seq_len, 1, cu_seqlens=upload(torch.tensor(pieces.query_bounds, dtype=torch.int32),
-                                                                device),
-                        max_len=max(pieces.lengths), key_index=key_index, cu_seqlens_k=upload(cu_k, device),
-                        max_len_k=max(key_lengths), **common)
+    cu_q = upload(torch.tensor(pieces.query_bounds, dtype=torch.int32), device)
+    return DocumentMask("varlen", seq_len, 1, cu_seqlens=cu_q, max_len=max(pieces.lengths), key_index=key_index,
+                        cu_seqlens_k=upload(cu_k, device), max_len_k=max(key_lengths), **common)
 
 
 # ----------------------------------------------------------------------------- the backends
@@ -569,6 +568,8 @@ def causal_document_attention(
 
 # ----------------------------------------------------------------------------- the keys of the row
 class PendingKeys(Protocol):
+    """What :func:`keys_of_row` returns: ``wait()`` gives the row's key inputs."""
+
     def wait(self) -> list[Tensor]: ...
 
 
