@@ -229,3 +229,86 @@ def test_unavailable_backend_is_an_error_not_a_fallback():
     q.requires_grad_()
     with pytest.raises(RuntimeError, match="no backward on CPU"):
         causal_document_attention(q, k, v, 0.3, backend="flex")
+
+
+# ----------------------------------------------------------------------------- queries from part of the row
+# Two ranges of the row, as a context-parallel rank holds them: documents start inside them, before
+# them and (block edges: 256) at their first token.
+QUERY_RANGES = ((40, 130), (256, 300))
+
+
+def at_query_positions(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x[:, :, a:b] for a, b in QUERY_RANGES], dim=2)
+
+
+def check_queries_from_part_of_the_row(backend: str, lens, dtype, with_grad: bool, given: str = "cu_seqlens") -> None:
+    """q of the ranges' positions against the whole row's k, v: the row's reference at those positions.
+    ``given``: the documents as device boundaries or as host ints."""
+    q_row, k, v, dout_row = inputs(dtype)
+    q, dout = at_query_positions(q_row), at_query_positions(dout_row)
+    q, k, v = (t.requires_grad_(with_grad) for t in (q, k, v))
+    docs = documents(lens) if given == "cu_seqlens" or lens is None else {"seq_bounds": bounds_of(lens)}
+    mask = document_mask(T, device=DEVICE, backend=backend, query_ranges=QUERY_RANGES, **docs)
+    out = causal_document_attention(q, k, v, 0.3, mask=mask)
+    assert out.shape == (*q.shape[:3], v.shape[-1]) and mask.backend == backend
+    leaves = [t.detach().double().cpu().requires_grad_() for t in (q_row, k, v)]
+    ref = at_query_positions(reference(*leaves, 0.3, lens))
+    assert rel(out, ref) < TOLERANCE[dtype]
+    if with_grad:
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        ref_grads = torch.autograd.grad(ref, leaves, dout.double().cpu())
+        errors = {name: rel(g, r) for name, g, r in
+                  zip("qkv", grads, (at_query_positions(ref_grads[0]), *ref_grads[1:]))}
+        assert all(e < TOLERANCE[dtype] for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("given", ["cu_seqlens", "seq_bounds"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_queries_from_part_of_the_row_match_the_rows_reference(backend, case, dtype, given):
+    q, k, v, _ = inputs(dtype)
+    skip_unless_runs(backend, q, k, v)
+    with_grad = inputs_unsupported_reason(backend, q.requires_grad_(), k, v) is None
+    check_queries_from_part_of_the_row(backend, CASES[case], dtype, with_grad, given)
+
+
+def standin_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size):
+    """FlashAttention's variable-length attention written out: sequence i's queries against its keys,
+    causal with the diagonal aligned at the end (window (-1, 0)), as the varlen kernel computes it."""
+    assert window_size == (-1, 0)
+    outs = []
+    for i in range(len(cu_seq_q) - 1):
+        qs, ks = query[cu_seq_q[i]:cu_seq_q[i + 1]], key[cu_seq_k[i]:cu_seq_k[i + 1]]
+        vs = value[cu_seq_k[i]:cu_seq_k[i + 1]]
+        n_q, n_k = qs.shape[0], ks.shape[0]
+        assert n_q <= max_q and n_k <= max_k
+        allowed = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        outs.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vs))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("case", ["one-token documents", "documents on block edges", "single document"])
+def test_varlen_packs_each_query_pieces_keys(case, monkeypatch):
+    """On CPU, with a stand-in for FlashAttention's kernel: the varlen path's packing of query pieces
+    and their keys (cu_seqlens of both sides, the key index, the maxima) and its backward."""
+    monkeypatch.setattr(attention, "varlen_attn", standin_varlen)
+    monkeypatch.setattr(attention, "_varlen_options", lambda: (True, True))
+    monkeypatch.setattr(attention, "backend_unavailable_reason", lambda name, device: None)
+    monkeypatch.setattr(attention, "inputs_unsupported_reason", lambda name, q, k, v: None)
+    check_queries_from_part_of_the_row("varlen", CASES[case], torch.float32, with_grad=True)
+
+
+def test_query_pieces_cut_at_documents():
+    pieces = attention.query_pieces([0, 10, 10, 25, 40], [(5, 20), (30, 40)])
+    assert pieces.query_bounds == (0, 5, 15, 25)
+    assert list(zip(pieces.key_starts, pieces.key_ends)) == [(0, 10), (10, 20), (25, 40)]
+    with pytest.raises(ValueError, match="inside the row of 40"):
+        attention.query_pieces([0, 40], [(30, 50)])
+    q, k, v, _ = inputs(torch.float32)
+    with pytest.raises(ValueError, match="query_ranges"):
+        causal_document_attention(q[:, :, :10], k, v, 0.3)
+    mask = document_mask(T, query_ranges=QUERY_RANGES)
+    with pytest.raises(ValueError, match="holds 134 queries"):
+        causal_document_attention(q[:, :, :10], k, v, 0.3, mask=mask)

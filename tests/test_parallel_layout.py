@@ -47,7 +47,6 @@ def test_resolve_errors_name_the_field_and_the_fix(layout, world, needles):
         (dict(ep=4, dp_shard=2), 2, ["layout.ep=4", "dp_shard*cp*tp=2*1*1=2"]),
         (dict(tp=2, sequence_parallel=False), 2, ["sequence_parallel=true"]),
         (dict(pp=2), 2, ["pipeline parallelism (pp=2) not implemented", "set pp to 1"]),
-        (dict(cp=2), 2, ["context parallelism (cp=2) not implemented", "set cp to 1"]),
     ],
 )
 def test_invalid_layouts_name_the_numbers_and_the_fix(layout, world, needles):
@@ -104,10 +103,13 @@ def test_resolved_layout_quantities_and_serialisation():
     assert ParallelLayout(**saved) == layout
     assert ParallelLayout(**{**saved, "gpus_per_node": 8}) == layout  # planning only: not part of equality
     assert ParallelLayout(**{**saved, "ep": 2}) != layout
-    assert layout.not_implemented() == ["pipeline parallelism (pp=2)", "context parallelism (cp=2)"]
+    assert layout.not_implemented() == ["pipeline parallelism (pp=2)"]
     layout.validate(tiny(), seq_len=64, runnable=False)  # planning accepts what is not implemented yet
     with pytest.raises(ConfigError, match="seq_len=30 divisible by 2\\*cp"):
         layout.validate(tiny(), seq_len=30, runnable=False)
+    with pytest.raises(ConfigError, match="cp=2 x tp=4 needs seq_len=36 divisible by cp\\*tp"):
+        ParallelLayout(cp=2, tp=4).resolve(8).validate(seq_len=36)  # each cp rank's 18 tokens do not split over tp
+    ParallelLayout(cp=2).resolve(2).validate(tiny(), seq_len=64)  # context parallelism runs
     with pytest.raises(ConfigError, match="layout.pp=8 exceeds the model's 5 layers"):
         ParallelLayout(pp=8).resolve(8).validate(tiny(), runnable=False)
 

@@ -6,6 +6,9 @@
                                    broadcast to every head)
     o = softmax(q k^T / sqrt(d_nope + d_shared)) v   causal, within each document
     y = W_o [ sigmoid(W_g x) * o ]
+
+Keys and values come from c_kv and k_shared of every token of the row (``keys_of_row``): this
+layer's own tokens, or under context parallelism all ranks' (moe_lc.parallel.context_mla).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from torch import nn
 
 from moe_lc.config import MLAConfig
 from moe_lc.model.norm import RMSNorm
-from moe_lc.ops.attention import causal_document_attention
+from moe_lc.ops.attention import causal_document_attention, keys_of_row
 from moe_lc.ops.documents import DocumentBounds
 
 
@@ -43,14 +46,17 @@ class GatedMLA(nn.Module):
     def forward(self, x: torch.Tensor, docs: Optional[DocumentBounds] = None) -> torch.Tensor:
         B, T, _ = x.shape
         c = self.cfg
+        latents = [self.kv_norm(self.kv_down(x))] + ([self.k_shared(x)] if self.k_shared is not None else [])
+        row = keys_of_row(latents, docs)  # started before the queries' projection, so that a gather overlaps it
         q = self.q_up(self.q_norm(self.q_down(x))) if c.q_lora_rank is not None else self.q_proj(x)
         q = q.view(B, T, -1, c.qk_dim)  # heads from the shape: H/tp under tensor parallelism
         H = q.shape[2]
-        kv = self.kv_up(self.kv_norm(self.kv_down(x))).view(B, T, H, c.qk_nope_dim + c.v_dim)
+        c_kv, *shared_key = row.wait()  # [B, S, r] (S = T, or the whole row's length under context parallelism)
+        S = c_kv.shape[1]
+        kv = self.kv_up(c_kv).view(B, S, H, c.qk_nope_dim + c.v_dim)
         k_nope, v = kv.split([c.qk_nope_dim, c.v_dim], dim=-1)
-        if self.k_shared is not None:
-            k_sh = self.k_shared(x).unsqueeze(2).expand(B, T, H, c.qk_rope_dim)
-            k = torch.cat([k_nope, k_sh], dim=-1)
+        if shared_key:
+            k = torch.cat([k_nope, shared_key[0].unsqueeze(2).expand(B, S, H, c.qk_rope_dim)], dim=-1)
         else:
             k = k_nope
         # one call for all documents; the mask is built once per batch and shared by the MLA layers

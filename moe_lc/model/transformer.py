@@ -7,6 +7,11 @@ residual stream (plain residual or Attention Residuals). No positional encoding 
 Packed documents reach every token mixer as one :class:`DocumentBounds` argument (built where the
 batch is uploaded, with the boundaries on the device and on the host), so no layer reads the
 device back to find them.
+
+Under context parallelism (``docs.shard`` set) the model runs on this rank's shard of one packed
+row: its token mixers exchange what crosses the shard's edges, everything else is token-wise, and
+the targets come cut from the whole row's (labels and :func:`mtp_labels`; see
+``moe_lc.parallel.context.shard_model_inputs``).
 """
 
 from __future__ import annotations
@@ -91,6 +96,21 @@ class ModelOutput:
     mtp_loss: Optional[torch.Tensor] = None
 
 
+def mtp_labels(labels: torch.Tensor, docs: Optional[DocumentBounds] = None) -> torch.Tensor:
+    """MTP's targets from the row's labels: labels[t+1] (the token after the next one), ignored where
+    labels[t] is (no next token to embed), at the row's last token and at each document's last token
+    (never predict across a document boundary). A shift of the whole row: under context parallelism
+    label t+1 of a chunk's last token lies in the next chunk, so the caller cuts each rank's targets
+    from this (``moe_lc.parallel.context.shard_model_inputs``)."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    targets[labels == IGNORE_INDEX] = IGNORE_INDEX
+    if docs is not None:  # the boundaries where the labels are: the device's, or the host's for host labels
+        bounds = docs.cu_seqlens if docs.cu_seqlens.device == labels.device else torch.tensor(docs.host)
+        targets[0, bounds[1:].long() - 1] = IGNORE_INDEX
+    return targets
+
+
 def language_model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy in fp32, ignoring IGNORE_INDEX (padding, document tails)."""
     return F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
@@ -164,12 +184,16 @@ class MoELCModel(nn.Module):
         labels: Optional[torch.Tensor] = None,
         docs: Optional[DocumentBounds] = None,
         return_logits: bool = True,
+        mtp_targets: Optional[torch.Tensor] = None,
     ) -> ModelOutput:
         """input_ids/labels: [B, T] (labels already shifted: labels[t] is the target after input t).
 
         ``docs``: the packed documents of the row (B must be 1), e.g.
-        ``DocumentBounds.from_host(cu_seqlens, device)``; None: every row is one sequence."""
+        ``DocumentBounds.from_host(cu_seqlens, device)``; None: every row is one sequence.
+        ``mtp_targets``: the MTP layer's targets (:func:`mtp_labels` of the row), by default made from
+        ``labels``; needed under context parallelism, where this rank's labels lack the next chunk's."""
         use_mtp = self.mtp is not None and labels is not None
+        _check_mtp_targets(use_mtp, labels, mtp_targets, docs)
         h = self.hidden_states(input_ids, docs)
         if labels is None:
             return ModelOutput(loss=None, lm_loss=None, logits=self.logits_from_hidden(h))
@@ -178,7 +202,8 @@ class MoELCModel(nn.Module):
         loss = lm_loss
         mtp_loss = None
         if use_mtp:
-            mtp_loss = self._mtp_loss(h, labels, docs)
+            targets = mtp_targets if mtp_targets is not None else mtp_labels(labels, docs)
+            mtp_loss = self._mtp_loss(h, labels, docs, targets)
             loss = loss + self.mtp_weight * mtp_loss
         aux = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
         aux_loss = torch.stack(aux).sum() if aux else None
@@ -188,16 +213,12 @@ class MoELCModel(nn.Module):
             loss=loss, lm_loss=lm_loss, logits=logits if return_logits else None, aux_loss=aux_loss, mtp_loss=mtp_loss
         )
 
-    def _mtp_loss(self, h: torch.Tensor, labels: torch.Tensor, docs: Optional[DocumentBounds]) -> torch.Tensor:
-        """Predict labels[t+1] from h[t] and embed(labels[t]) (the token at t+1)."""
+    def _mtp_loss(self, h: torch.Tensor, labels: torch.Tensor, docs: Optional[DocumentBounds],
+                  targets: torch.Tensor) -> torch.Tensor:
+        """Predict labels[t+1] (``targets``, :func:`mtp_labels`) from h[t] and embed(labels[t]) (the token at t+1)."""
         next_tok = labels.clamp_min(0)
         mtp_h = self.mtp(h, self.embed(next_tok), docs)
-        mtp_labels = torch.full_like(labels, IGNORE_INDEX)
-        mtp_labels[:, :-1] = labels[:, 1:]
-        mtp_labels[labels == IGNORE_INDEX] = IGNORE_INDEX
-        if docs is not None:  # never predict across a document boundary (the last token of each document)
-            mtp_labels[0, docs.cu_seqlens[1:].long() - 1] = IGNORE_INDEX
-        return self.lm_loss(self.logits_from_hidden(mtp_h), mtp_labels)
+        return self.lm_loss(self.logits_from_hidden(mtp_h), targets)
 
 
 def _check_documents(input_ids: torch.Tensor, docs: Optional[DocumentBounds]) -> None:
@@ -207,6 +228,29 @@ def _check_documents(input_ids: torch.Tensor, docs: Optional[DocumentBounds]) ->
     if not isinstance(docs, DocumentBounds):
         raise TypeError(f"MoELCModel: docs must be DocumentBounds, got {type(docs).__name__}; wrap boundaries with "
                         "DocumentBounds.from_host(cu_seqlens, device) (host) or DocumentBounds.of(cu_seqlens) (device)")
+    if docs.shard is not None:
+        local = docs.shard.context.local_len
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] != local:
+            raise ValueError(f"MoELCModel: under context parallelism input_ids must be this rank's shard [1, {local}] "
+                             f"of the row of {docs.total} tokens, got {tuple(input_ids.shape)}; cut it with "
+                             "moe_lc.parallel.context.shard_model_inputs")
+        return
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or docs.total != input_ids.shape[1]:
         raise ValueError(f"MoELCModel: packed documents (docs) need input_ids [1, T] with T = the last boundary "
                          f"{docs.total}, got {tuple(input_ids.shape)}; pack the rows into one")
+
+
+def _check_mtp_targets(use_mtp: bool, labels: Optional[torch.Tensor], targets: Optional[torch.Tensor],
+                       docs: Optional[DocumentBounds]) -> None:
+    """MTP's targets fit the labels; under context parallelism they must be given (no device read)."""
+    if not use_mtp:
+        return
+    if targets is None:
+        if docs is not None and docs.shard is not None:
+            raise ValueError("MoELCModel: under context parallelism the MTP layer needs mtp_targets, this rank's shard "
+                             "of mtp_labels(row labels, docs) (the next chunk's labels are on another rank); "
+                             "moe_lc.parallel.context.shard_model_inputs cuts it")
+        return
+    if targets.shape != labels.shape:
+        raise ValueError(f"MoELCModel: mtp_targets {tuple(targets.shape)} must have the labels' shape "
+                         f"{tuple(labels.shape)}; pass this rank's shard of mtp_labels(row labels, docs)")

@@ -35,6 +35,15 @@ when a measurement says otherwise.
 The mask depends only on the batch's boundaries, not on the layer, so it is built once per batch
 with :func:`document_mask` and handed to every MLA layer (``mask=``); without one, each call builds
 its own.
+
+Queries from part of the row (context parallelism: a rank holds two chunks of the row and attends
+them against the keys of the whole row): ``document_mask(..., query_ranges=...)`` names the row
+positions of the queries, q has only those tokens and k, v the whole row's. The mask is the same
+M at the queries' row positions; it cuts the queries into :class:`QueryPieces` (a range's tokens of
+one document), each attending to its document's keys up to its last query, which every backend
+runs: "torch" one SDPA call per piece, "varlen" the pieces as variable-length sequences (their
+keys packed per piece), "flex" a block mask over the queries' row positions.
+:func:`keys_of_row` gives a layer the row's key inputs under context parallelism.
 """
 
 from __future__ import annotations
@@ -42,14 +51,18 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from moe_lc_kernels.transfer import upload
+
+if TYPE_CHECKING:  # documents.py imports this module
+    from moe_lc.ops.documents import DocumentBounds
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -65,7 +78,10 @@ __all__ = [
     "CUDA_ORDER_DOCUMENTS",
     "CUDA_ORDER_NO_DOCUMENTS",
     "DocumentMask",
+    "QueryPieces",
     "document_mask",
+    "keys_of_row",
+    "query_pieces",
     "causal_document_attention",
     "backend_unavailable_reason",
     "inputs_unsupported_reason",
@@ -82,14 +98,63 @@ _VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 _VARLEN_MAX_HEAD_DIM = 256  # FlashAttention-2's largest head size
 
 
+@dataclass(frozen=True)
+class QueryPieces:
+    """Queries taken from some ranges of the row, cut where a document starts (:func:`query_pieces`).
+
+    Piece i is query rows ``[query_bounds[i], query_bounds[i+1])`` of the call, at row positions
+    ending at ``key_ends[i]``; it attends to the row's keys ``[key_starts[i], key_ends[i])`` (its
+    document's start up to its last query), causally aligned at the end: the query at row
+    position p sees the keys up to p.
+    """
+
+    ranges: tuple[tuple[int, int], ...]  # [start, end) of the queries in the row, in query order
+    query_bounds: tuple[int, ...]  # 0 = b_0 < ... < b_P = the number of queries
+    key_starts: tuple[int, ...]
+    key_ends: tuple[int, ...]
+
+    @property
+    def num_queries(self) -> int:
+        return self.query_bounds[-1]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [b - a for a, b in zip(self.query_bounds, self.query_bounds[1:])]
+
+    @property
+    def key_lengths(self) -> list[int]:
+        return [e - s for s, e in zip(self.key_starts, self.key_ends)]
+
+
+def query_pieces(bounds: Sequence[int], ranges: Sequence[tuple[int, int]]) -> QueryPieces:
+    """The queries of row positions ``ranges`` cut at the document boundaries ``bounds`` (host ints,
+    ``[0, ..., T]``; empty documents allowed), each piece with the span of keys it attends to."""
+    seq_len = bounds[-1]
+    ranges = tuple((int(a), int(b)) for a, b in ranges)
+    if not ranges or any(not 0 <= a < b <= seq_len for a, b in ranges):
+        raise ValueError(f"attention: query_ranges must be non-empty [start, end) ranges inside the row of {seq_len} "
+                         f"tokens, got {list(ranges)}")
+    query_bounds, starts, ends = [0], [], []
+    for a, b in ranges:
+        cuts = [a, *sorted({x for x in bounds if a < x < b}), b]
+        for x, y in zip(cuts, cuts[1:]):
+            query_bounds.append(query_bounds[-1] + y - x)
+            starts.append(bounds[bisect_right(bounds, x) - 1])  # the start of the document holding x
+            ends.append(y)
+    return QueryPieces(ranges, tuple(query_bounds), tuple(starts), tuple(ends))
+
+
 @dataclass(frozen=True, eq=False)
 class DocumentMask:
     """One batch's document-causal mask, in the form one backend consumes (:func:`document_mask`).
 
     ``bounds``: host boundaries when known (None without documents, or when only the device copy
     was given); ``cu_seqlens``: device boundaries (for "varlen": int32, covering all B*T tokens, one
-    row per document without documents); ``max_len``: the longest document ("varlen");
-    ``block_mask``: the flex block mask ("flex").
+    row per document without documents; with ``queries``: the query pieces' bounds); ``max_len``:
+    the longest document ("varlen"; with ``queries``: the longest query piece); ``block_mask``: the
+    flex block mask ("flex"). ``queries``: set when the queries are only some ranges of the row;
+    "varlen" then packs each piece's keys (``key_index`` into the row, ``cu_seqlens_k``,
+    ``max_len_k``). ``seq_len`` is always the row's (the keys') length.
     """
 
     backend: str
@@ -100,6 +165,15 @@ class DocumentMask:
     cu_seqlens: Optional[Tensor] = None
     max_len: Optional[int] = None
     block_mask: Optional["BlockMask"] = None
+    queries: Optional[QueryPieces] = None
+    key_index: Optional[Tensor] = None
+    cu_seqlens_k: Optional[Tensor] = None
+    max_len_k: Optional[int] = None
+
+    @property
+    def query_len(self) -> int:
+        """Query tokens per row: the row's length, or the number of ``queries``."""
+        return self.seq_len if self.queries is None else self.queries.num_queries
 
     @property
     def device(self) -> Optional[torch.device]:
@@ -229,10 +303,21 @@ def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=False)
 
 
-def _block_mask(mask_mod: Callable, seq_len: int, device: torch.device) -> "BlockMask":
+def _document_causal_at(positions: Tensor, doc_ids: Optional[Tensor]) -> Callable:
+    """The mask of queries at row ``positions`` (one per query) against the row's keys."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        at = positions[q_idx]
+        causal = at >= kv_idx
+        return causal if doc_ids is None else causal & (doc_ids[at] == doc_ids[kv_idx])
+
+    return mask_mod
+
+
+def _block_mask(mask_mod: Callable, seq_len: int, device: torch.device, query_len: Optional[int] = None) -> "BlockMask":
     # Eager create_block_mask materialises the T x T mask (GBs at 64K); compiled, it does not.
     build = _compiled(create_block_mask) if device.type == "cuda" else create_block_mask
-    return build(mask_mod, None, None, seq_len, seq_len, device=device)
+    return build(mask_mod, None, None, seq_len if query_len is None else query_len, seq_len, device=device)
 
 
 def document_mask(
@@ -243,6 +328,7 @@ def document_mask(
     batch: int = 1,
     device: Optional[torch.device | str] = None,
     backend: str = "auto",
+    query_ranges: Optional[Sequence[tuple[int, int]]] = None,
 ) -> DocumentMask:
     """The document-causal mask of one batch for ``backend``, to pass to every attention call.
 
@@ -250,7 +336,9 @@ def document_mask(
     "varlen" masks a device read; "flex" uploads them when no device copy is given). Neither: plain
     causal over ``batch`` rows. ``device`` defaults to cu_seqlens' device, else CPU. "auto" resolves
     by device alone (the inputs are not known yet); a call whose inputs the mask's backend cannot
-    take falls back to "torch" under "auto".
+    take falls back to "torch" under "auto". ``query_ranges``: the row positions [start, end) of the
+    queries, in the order q holds them (one packed row; k and v hold the whole row); None: q is the
+    whole row.
     """
     if device is None:
         device = cu_seqlens.device if cu_seqlens is not None else torch.device("cpu")
@@ -265,6 +353,10 @@ def document_mask(
     has_documents = _several_documents(cu_seqlens, seq_bounds)
     if not has_documents:
         cu_seqlens = bounds = None
+    if query_ranges is not None:
+        if batch != 1:
+            raise ValueError(f"attention: query_ranges are positions in one packed row, got batch size {batch}")
+        return _pieces_mask(seq_len, cu_seqlens, bounds, query_ranges, device, backend)
     name = resolve_backend(backend, device, has_documents)
     if name == "torch":
         if has_documents and bounds is None:
@@ -288,14 +380,47 @@ def document_mask(
     return DocumentMask("varlen", seq_len, batch, has_documents, bounds=bounds, cu_seqlens=cu32, max_len=max_len)
 
 
+def _pieces_mask(seq_len: int, cu_seqlens: Optional[Tensor], bounds: Optional[tuple[int, ...]],
+                 query_ranges: Sequence[tuple[int, int]], device: torch.device, backend: str) -> DocumentMask:
+    """:func:`document_mask` for queries from ``query_ranges`` of the row (boundaries already checked;
+    both None for one document over the row)."""
+    has_documents = cu_seqlens is not None or bounds is not None
+    if has_documents and bounds is None:
+        bounds = _check_bounds(_read_bounds(cu_seqlens), seq_len)
+    pieces = query_pieces(bounds if has_documents else (0, seq_len), query_ranges)
+    name = resolve_backend(backend, device, True)  # the documents' order: plain causal SDPA cannot offset queries
+    common = dict(has_documents=has_documents, bounds=bounds, queries=pieces)
+    if name == "torch":
+        return DocumentMask("torch", seq_len, 1, cu_seqlens=cu_seqlens, **common)
+    if name == "flex":
+        if has_documents and cu_seqlens is None:
+            cu_seqlens = upload(torch.tensor(bounds, dtype=torch.int32), device)
+        doc_ids = _document_ids(cu_seqlens.to(device), seq_len) if has_documents else None
+        positions = upload(torch.cat([torch.arange(a, b) for a, b in pieces.ranges]), device)
+        block_mask = _block_mask(_document_causal_at(positions, doc_ids), seq_len, device, pieces.num_queries)
+        return DocumentMask("flex", seq_len, 1, cu_seqlens=cu_seqlens, block_mask=block_mask, **common)
+    key_lengths = pieces.key_lengths
+    cu_k = torch.tensor([0, *key_lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    # key row j of piece i is the row's key key_starts[i] + (j - cu_k[i]); built on the device from 2P ints
+    shift = upload(torch.tensor(pieces.key_starts) - cu_k[:-1], device)
+    key_index = torch.arange(int(cu_k[-1]), device=device) + torch.repeat_interleave(
+        shift, upload(torch.tensor(key_lengths), device), output_size=int(cu_k[-1]))
+    cu_q = upload(torch.tensor(pieces.query_bounds, dtype=torch.int32), device)
+    return DocumentMask("varlen", seq_len, 1, cu_seqlens=cu_q, max_len=max(pieces.lengths), key_index=key_index,
+                        cu_seqlens_k=upload(cu_k, device), max_len_k=max(key_lengths), **common)
+
+
 # ----------------------------------------------------------------------------- the backends
-def _torch_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bounds: Optional[tuple[int, ...]]) -> Tensor:
-    """The definition: one causal SDPA call per document, or one for the whole row."""
+def _torch_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bounds: Optional[tuple[int, ...]],
+                     queries: Optional[QueryPieces] = None) -> Tensor:
+    """The definition: one causal SDPA call per document, or one for the whole row, or one per query piece."""
     v_dim = v.shape[-1]
     if q.device.type == "cpu" and v_dim < q.shape[-1]:
         # CPU SDPA has a fast (flash) kernel only for equal q/k and v head sizes; zero columns
         # of v give zero output columns, so padding and slicing back is exact.
-        return _torch_attention(q, k, F.pad(v, (0, q.shape[-1] - v_dim)), scale, bounds)[..., :v_dim]
+        return _torch_attention(q, k, F.pad(v, (0, q.shape[-1] - v_dim)), scale, bounds, queries)[..., :v_dim]
+    if queries is not None:
+        return _torch_pieces(q, k, v, scale, queries)
     if bounds is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     # split, not one slice per document: its backward writes the gradient pieces into one tensor,
@@ -306,6 +431,18 @@ def _torch_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bounds: Opti
         for qd, kd, vd in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))
         if qd.shape[2] > 0
     ]
+    return torch.cat(outs, dim=2)
+
+
+def _torch_pieces(q: Tensor, k: Tensor, v: Tensor, scale: float, queries: QueryPieces) -> Tensor:
+    """Each query piece against its keys, the causal mask aligned at the end (its last query sees its
+    last key); the reference for queries from part of the row, not a fast path (a bool mask per piece)."""
+    outs = []
+    for qd, start, end in zip(q.split(queries.lengths, 2), queries.key_starts, queries.key_ends):
+        n_q, n_k = qd.shape[2], end - start
+        allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
+        outs.append(F.scaled_dot_product_attention(qd, k[:, :, start:end], v[:, :, start:end], attn_mask=allowed,
+                                                   scale=scale))
     return torch.cat(outs, dim=2)
 
 
@@ -326,7 +463,7 @@ def _varlen_options() -> tuple[bool, bool]:
     return "window_size" in params, "scale" in params
 
 
-def _varlen(q: Tensor, k: Tensor, v: Tensor, scale: float, cu_seqlens: Tensor, max_len: int) -> Tensor:
+def _varlen(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: DocumentMask) -> Tensor:
     B, H, T, qk_dim = q.shape
     v_dim = v.shape[-1]
     dim = _varlen_head_dim(qk_dim, v_dim)
@@ -336,22 +473,30 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, scale: float, cu_seqlens: Tensor, m
 
     def packed(x: Tensor) -> Tensor:  # [B, H, T, D] -> [B*T, H, dim]; a view for MLA's layout
         x = x.transpose(1, 2)
-        return (F.pad(x, (0, dim - x.shape[-1])) if x.shape[-1] < dim else x).reshape(B * T, H, dim)
+        return (F.pad(x, (0, dim - x.shape[-1])) if x.shape[-1] < dim else x).reshape(-1, H, dim)
 
+    keys, values = packed(k), packed(v)
+    cu_k, max_k = mask.cu_seqlens, mask.max_len
+    if mask.queries is not None:  # each query piece's keys, packed (FlashAttention aligns causality at the end)
+        keys, values = keys[mask.key_index], values[mask.key_index]
+        cu_k, max_k = mask.cu_seqlens_k, mask.max_len_k
     options = {"window_size": (-1, 0)} if windowed else {"is_causal": True}
     if scaled:
         options["scale"] = scale
-    out = varlen_attn(packed(q), packed(k), packed(v), cu_seqlens, cu_seqlens, max_len, max_len, **options)
+    out = varlen_attn(packed(q), keys, values, mask.cu_seqlens, cu_k, mask.max_len, max_k, **options)
     return out[..., :v_dim].reshape(B, T, H, v_dim).transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------- the op
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
-    if q.dim() != 4 or k.shape != q.shape:
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Optional[DocumentMask]) -> None:
+    if q.dim() != 4 or k.dim() != 4 or (k.shape[:2], k.shape[3]) != (q.shape[:2], q.shape[3]):
         raise ValueError(f"attention: q and k must be [B, H, T, Dqk] of one shape, got {tuple(q.shape)} and "
                          f"{tuple(k.shape)}")
-    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"attention: v must be [B, H, T, Dv] = {list(q.shape[:3]) + ['Dv']}, got {tuple(v.shape)}")
+    if k.shape[2] != q.shape[2] and (mask is None or mask.queries is None):
+        raise ValueError(f"attention: q has {q.shape[2]} tokens and k {k.shape[2]}; for queries from part of the row "
+                         "pass mask=document_mask(T, ..., query_ranges=...) with their row positions")
+    if v.dim() != 4 or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"attention: v must be [B, H, T, Dv] = {list(k.shape[:3]) + ['Dv']}, got {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
         raise ValueError(f"attention: q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on "
                          f"{q.device}/{k.device}/{v.device}; cast them to one")
@@ -359,11 +504,14 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError("attention: sequences must have at least one token (T = 0)")
 
 
-def _check_mask(mask: DocumentMask, q: Tensor, backend: str) -> None:
-    B, _, T, _ = q.shape
+def _check_mask(mask: DocumentMask, q: Tensor, k: Tensor, backend: str) -> None:
+    B, T = k.shape[0], k.shape[2]
     if mask.seq_len != T or mask.batch != B:
         raise ValueError(f"attention: the mask was built for batch {mask.batch} x length {mask.seq_len}, the inputs "
                          f"are {B} x {T}; build it with document_mask({T}, batch={B}, ...)")
+    if mask.query_len != q.shape[2]:
+        raise ValueError(f"attention: the mask holds {mask.query_len} queries, q has {q.shape[2]}; build it with the "
+                         "query_ranges of these queries")
     if mask.device is not None and mask.device != q.device:
         raise ValueError(f"attention: the mask is on {mask.device}, the inputs on {q.device}; build it with "
                          f"device={q.device}")
@@ -388,15 +536,17 @@ def causal_document_attention(
     q, k: [B, H, T, Dqk]; v: [B, H, T, Dv]; returns [B, H, T, Dv] in q's dtype. Documents come
     from ``mask`` (:func:`document_mask`, built once per batch) or from ``cu_seqlens`` (device) /
     ``seq_bounds`` (the same as host ints), which need B == 1; none of them: causal over each row.
+    A mask with ``query_ranges`` takes q of those row positions only, [1, H, Tq, Dqk], against k, v of
+    the whole row, and returns [1, H, Tq, Dv].
     """
-    _check_inputs(q, k, v)
+    _check_inputs(q, k, v, mask)
     if mask is not None and (cu_seqlens is not None or seq_bounds is not None):
         raise ValueError("attention: pass the documents once, either as mask= or as cu_seqlens=/seq_bounds=")
     if mask is None:
         name = resolve_backend(backend, q.device, _several_documents(cu_seqlens, seq_bounds), inputs=(q, k, v))
         mask = document_mask(q.shape[2], cu_seqlens=cu_seqlens, seq_bounds=seq_bounds, batch=q.shape[0],
                              device=q.device, backend=name)
-    _check_mask(mask, q, backend)
+    _check_mask(mask, q, k, backend)
     name = mask.backend
     reason = inputs_unsupported_reason(name, q, k, v)
     if reason is not None:
@@ -409,8 +559,40 @@ def causal_document_attention(
     if name == "flex":
         return _flex(q, k, v, scale, mask.block_mask)
     if name == "varlen":
-        return _varlen(q, k, v, scale, mask.cu_seqlens, mask.max_len)
+        return _varlen(q, k, v, scale, mask)
     bounds = mask.bounds
-    if mask.has_documents and bounds is None:
+    if mask.has_documents and bounds is None and mask.queries is None:
         bounds = _check_bounds(_read_bounds(mask.cu_seqlens), mask.seq_len)
-    return _torch_attention(q, k, v, scale, bounds)
+    return _torch_attention(q, k, v, scale, bounds, mask.queries)
+
+
+# ----------------------------------------------------------------------------- the keys of the row
+class PendingKeys(Protocol):
+    """What :func:`keys_of_row` returns: ``wait()`` gives the row's key inputs."""
+
+    def wait(self) -> list[Tensor]: ...
+
+
+@dataclass(frozen=True)
+class _Ready:
+    parts: list[Tensor]
+
+    def wait(self) -> list[Tensor]:
+        return self.parts
+
+
+def keys_of_row(parts: Sequence[Tensor], docs: Optional["DocumentBounds"]) -> PendingKeys:
+    """The per-token tensors [B, T, width] that keys and values are made of (MLA: the normalised kv
+    latent and the shared key), for every token of the row; ``.wait()`` returns them.
+
+    Without a context-parallel shard on ``docs``, ``parts`` themselves. With one (``docs.shard``),
+    every rank's, in sequence order, [1, row length, width] each: one all-gather over the cp
+    group (:func:`moe_lc.parallel.context_mla.gather_row`), started here so that the caller
+    computes meanwhile (MLA: its queries) and waited for by ``.wait()``.
+    """
+    if docs is None or docs.shard is None:
+        return _Ready(list(parts))
+    # imported here: moe_lc.parallel imports the model, which imports this op
+    from moe_lc.parallel.context_mla import gather_row
+
+    return gather_row(parts, docs.shard)

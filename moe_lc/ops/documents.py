@@ -37,8 +37,8 @@ class DocumentBounds:
 
     Under context parallelism the boundaries stay those of the whole row and ``shard`` holds
     this rank's view of them (its pieces, what crosses its chunk edges; built once per batch by
-    :func:`moe_lc.parallel.context.shard_documents`); the KDA op and the short convolution run
-    context-parallel when it is set. None: the row is not sharded.
+    :func:`moe_lc.parallel.context.shard_documents`); the KDA op, the short convolution and MLA's
+    keys and mask run context-parallel when it is set. None: the row is not sharded.
     """
 
     cu_seqlens: Tensor  # int32 [N+1] on the compute device (FlashAttention convention), 0 = b_0 < ... < b_N = T
@@ -104,9 +104,11 @@ class DocumentBounds:
     @functools.cached_property
     def attention_mask(self) -> DocumentMask:
         """The batch's document-causal attention mask (:func:`moe_lc.ops.attention.document_mask`), built
-        on first use and then shared by every attention layer of the forward and backward."""
+        on first use and then shared by every attention layer of the forward and backward; with a
+        shard, the mask of this rank's queries (its chunks) against the whole row's keys."""
+        queries = None if self.shard is None else self.shard.context.ranges
         return document_mask(self.total, cu_seqlens=self.cu_seqlens, seq_bounds=self.host,
-                             device=self.cu_seqlens.device)
+                             device=self.cu_seqlens.device, query_ranges=queries)
 
 
 def as_document_bounds(docs: DocumentBounds | Tensor | None) -> DocumentBounds | None:

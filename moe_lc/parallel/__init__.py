@@ -1,4 +1,4 @@
-"""Parallelism around the model: device meshes, TP + SP, EP, activation checkpointing, FSDP2 / ZeRO-1.
+"""Parallelism around the model: device meshes, TP + SP, EP, CP, activation checkpointing, FSDP2 / ZeRO-1.
 
 Typical use (every rank, after ``torch.distributed.init_process_group``)::
 

@@ -7,6 +7,7 @@ Each forward collective has the transposed collective as its backward:
     sum_gradient          identity                   <->  all-reduce of gradients
     all_to_all            variable-split all-to-all  <->  all-to-all with the splits swapped
     gather_last_dim       all-gather (e.g. vocab)    <->  keep this rank's slice
+    start_gather          all-gather, asynchronous   <->  reduce-scatter of gradients
 
 ``dim`` may be negative; the gathered/scattered dimension is split in rank order.
 """
@@ -116,6 +117,19 @@ class _GatherLastDim(torch.autograd.Function):
         return split_along(grad, -1, ctx.group), None
 
 
+class _StartGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group, works: list) -> Tensor:
+        ctx.group = group
+        out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
+        works.append(_all_gather_single(out, x, group=group, async_op=True))
+        return out  # filled once the work completes: PendingGather.wait
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return reduce_scatter_along(grad, 0, ctx.group), None, None
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, output_splits: list[int], input_splits: list[int], group) -> Tensor:
@@ -159,3 +173,28 @@ def all_to_all(
     if group_size(group) == 1:
         return x
     return _AllToAll.apply(x, list(output_splits), list(input_splits), group)
+
+
+class PendingGather:
+    """An all-gather in flight (:func:`start_gather`): ``wait()`` returns the gathered tensor."""
+
+    def __init__(self, x: Tensor, out: Tensor, work: Optional[dist.Work]) -> None:
+        self._x = x  # the input stays alive until the collective has read it
+        self._out, self._work = out, work
+
+    def wait(self) -> Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work, self._x = None, None
+        return self._out
+
+
+def start_gather(x: Tensor, group: Optional[dist.ProcessGroup]) -> PendingGather:
+    """All-gather along dim 0 started without waiting, so that the caller computes while it runs;
+    differentiable like :func:`gather_sequence` (the backward's reduce-scatter is synchronous)."""
+    if group_size(group) == 1:
+        return PendingGather(x, x, None)
+    x = x.contiguous()
+    works: list = []
+    out = _StartGather.apply(x, group, works)
+    return PendingGather(x, out, works[0])

@@ -24,12 +24,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from moe_lc.model.transformer import mtp_labels
 from moe_lc.ops.documents import DocumentBounds
 from moe_lc.ops.short_conv import position_in_document
 from moe_lc.parallel.comm import gather_sequence
 
-__all__ = ["ContextShard", "ChunkDocuments", "DocumentPiece", "DocumentShard", "shard_documents", "shard_row",
-           "unshard_row"]
+__all__ = ["ContextShard", "ChunkDocuments", "DocumentPiece", "DocumentShard", "in_sequence_order",
+           "shard_documents", "shard_model_inputs", "shard_row", "unshard_row"]
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,20 @@ def _chunk_documents(bounds: tuple[int, ...], start: int, end: int) -> ChunkDocu
     return ChunkDocuments(first, last, starts_document=bounds[first] == start, ends_document=bounds[last + 1] == end)
 
 
+def shard_model_inputs(input_ids: Tensor, labels: Optional[Tensor], docs: DocumentBounds,
+                       context: ContextShard) -> dict:
+    """The model's keyword arguments for this rank's shard of one packed row ([1, T] ``input_ids``
+    and ``labels``, the row's ``docs``): its tokens and labels, the MTP targets cut from the whole
+    row's (:func:`moe_lc.model.transformer.mtp_labels`: the label after a chunk's last token lies in
+    the next chunk), and the documents with this rank's view. Host-side cuts of host or device
+    tensors; no communication. ``model(**shard_model_inputs(...), return_logits=False)``."""
+    inputs = dict(input_ids=shard_row(input_ids, context), docs=shard_documents(docs, context))
+    if labels is not None:
+        inputs["labels"] = shard_row(labels, context)
+        inputs["mtp_targets"] = shard_row(mtp_labels(labels, docs), context)
+    return inputs
+
+
 def shard_row(x: Tensor, context: ContextShard, dim: int = 1) -> Tensor:
     """This rank's two chunks of the full row ``x`` (along ``dim``), concatenated; no communication."""
     if x.shape[dim] != context.seq_len:
@@ -203,7 +218,12 @@ def unshard_row(x: Tensor, context: ContextShard, dim: int = 1) -> Tensor:
         raise ValueError(f"unshard_row: x has {x.shape[dim]} tokens along dim {dim}, a shard holds "
                          f"{context.local_len}; pass this rank's local row")
     context.require_group("unshard_row")
-    gathered = gather_sequence(x, dim, context.group)  # rank order: chunks 0, 2cp-1, 1, 2cp-2, ...
+    return in_sequence_order(gather_sequence(x, dim, context.group), context, dim)
+
+
+def in_sequence_order(gathered: Tensor, context: ContextShard, dim: int = 1) -> Tensor:
+    """The row from every rank's local row concatenated in rank order (what an all-gather over the
+    cp group returns: chunks 0, 2cp-1, 1, 2cp-2, ...), its chunks put back in sequence order."""
     slots = gathered.chunk(context.num_chunks, dim=dim)
     in_order = [slots[2 * rank + slot] for rank, slot in map(context.holder, range(context.num_chunks))]
     return torch.cat(in_order, dim=dim)

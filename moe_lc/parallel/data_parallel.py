@@ -5,13 +5,14 @@ its summed token loss by ``1 / global_label_tokens`` (``moe_lc.parallel.global_l
 gradient is that of the global-batch mean loss for any split of the batch over ranks and
 micro-batches.
 
-Groups. Dense parameters are reduced over ``dp_replicate x dp_shard`` (their gradients are
-already complete over tp, see ``local_params``). Routed experts live on the expert mesh and
-are reduced over ``dp_replicate x edp``: every rank that holds a copy of the same expert shard
-(edp folds dp_shard, cp and tp ranks that are not in the expert's ep group).
+Groups. Dense parameters are reduced over ``dp_replicate x dp_shard x cp`` (cp ranks hold
+different tokens of the same rows; the gradients are already complete over tp, see
+``local_params``). Routed experts live on the expert mesh and are reduced over
+``dp_replicate x edp``: every rank that holds a copy of the same expert shard (edp folds
+dp_shard, cp and tp ranks that are not in the expert's ep group).
 
 fsdp: ``fully_shard`` on every token mixer and channel mixer (the routed experts as their own
-unit on the expert mesh) and on the root, sharded over dp_shard (edp for experts) and, when
+unit on the expert mesh) and on the root, sharded over dp_shard x cp (edp for experts) and, when
 dp_replicate > 1, replicated across it (HSDP); bf16 compute
 with fp32 master weights and fp32 gradient reduction on CUDA (MixedPrecisionPolicy).
 zero1: parameters and gradients replicated; ``finish_gradient_sync`` all-reduces the gradients

@@ -26,7 +26,7 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EXPERT_MESH_DIMS = ("pp", "dp_replicate", "edp", "ep")
 DEGREES = (*MESH_DIMS, "ep")
 FILL = -1  # dp_shard: whatever the other degrees leave of the world
-NOT_IMPLEMENTED = {"pp": "pipeline parallelism", "cp": "context parallelism"}
+NOT_IMPLEMENTED = {"pp": "pipeline parallelism"}
 
 
 class Choice(str, Enum):
@@ -154,7 +154,7 @@ class ParallelLayout:
 
     # -- validation ------------------------------------------------------------------------
     def not_implemented(self) -> list[str]:
-        """What this layout needs that the engine cannot do yet, e.g. ``["context parallelism (cp=4)"]``.
+        """What this layout needs that the engine cannot do yet, e.g. ``["pipeline parallelism (pp=4)"]``.
 
         Empty: it can run. Planning reports these; ``validate(runnable=True)`` refuses them.
         """
@@ -165,7 +165,7 @@ class ParallelLayout:
     ) -> "ParallelLayout":
         """Raise ConfigError naming the field and a fix; call on a resolved layout before any process group.
 
-        runnable=False accepts what is only not implemented yet (pp, cp > 1), for planning.
+        runnable=False accepts what is only not implemented yet (pp > 1), for planning.
         """
         self.check_degrees()
         self._require_resolved("validate")
@@ -199,6 +199,11 @@ class ParallelLayout:
                 seq_len % (2 * self.cp) == 0,
                 f"layout.cp={self.cp} needs seq_len={seq_len} divisible by 2*cp (load-balanced causal "
                 "sharding); change seq_len or cp",
+            )
+            _require(
+                seq_len % (self.cp * self.tp) == 0,
+                f"layout.cp={self.cp} x tp={self.tp} needs seq_len={seq_len} divisible by cp*tp (sequence "
+                "parallelism splits each rank's seq_len/cp tokens over tp); change seq_len, cp or tp",
             )
         if model_cfg is not None:
             self._validate_model(model_cfg)

@@ -1,4 +1,4 @@
-"""Device meshes for a layout, and the process groups the trainer needs (data sharding, QB).
+"""Device meshes for a layout, and the process groups the trainer needs (data sharding, loss, QB).
 
 Two meshes over the same ranks (see ``layout.py``): the dense mesh
 ``(pp, dp_replicate, dp_shard, cp, tp)`` used by attention, dense FFN, shared experts, norms,
@@ -74,8 +74,14 @@ def data_parallel_info(mesh: DeviceMesh) -> tuple[int, int]:
 
 
 def data_parallel_group(mesh: DeviceMesh) -> Optional[dist.ProcessGroup]:
-    """The group of ranks reading different samples (to count the global batch's label tokens)."""
-    return dims_group(mesh, ("dp_replicate", "dp_shard"))
+    """The ranks holding different label tokens of the step: dp_replicate x dp_shard x cp.
+
+    cp ranks read the same samples (``data_parallel_info``) but each holds its own shard of every
+    row, so label tokens, loss sums and the dense parameters' gradients are summed over cp as over
+    the data-parallel ranks (Megatron's data-parallel group with context parallelism). tp ranks
+    compute the loss of the same tokens and are not part of it.
+    """
+    return dims_group(mesh, ("dp_replicate", "dp_shard", "cp"))
 
 
 def balance_group(mesh: DeviceMesh) -> Optional[dist.ProcessGroup]:
@@ -88,7 +94,8 @@ def balance_group(mesh: DeviceMesh) -> Optional[dist.ProcessGroup]:
 
 
 def global_label_tokens(num_local: int, mesh: Optional[DeviceMesh]) -> int:
-    """Label tokens of the whole step (all micro-batches of all data-parallel ranks).
+    """Label tokens of the whole step (all micro-batches of all data-parallel and cp ranks; under
+    context parallelism ``num_local`` counts this rank's shard of its rows).
 
     Gradients are summed over data-parallel ranks, so each rank weights its summed token
     loss by ``1 / global_label_tokens``: the result is the global-batch mean whatever the split.

@@ -6,6 +6,11 @@ vocab-parallel embedding/head/loss), expert parallelism (expert weights on the e
 all-to-all dispatch), local-parameter hooks, activation checkpointing of the decoder layers
 (a recompute then reruns the hooks and collectives above, inside the layer), then FSDP2 (it must
 come last: it wraps DTensor parameters from the same root mesh and its hooks must run outside ours).
+
+Context parallelism needs no change to the model: its inputs are each rank's shard of the row
+(``moe_lc.parallel.context.shard_model_inputs``), its ops run context-parallel where ``docs.shard``
+is set, and the dense parameters' gradients are summed over dp_shard x cp (FSDP shards over the
+two flattened; ZeRO-1 all-reduces over dp x cp), the experts' over edp, which holds cp already.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from moe_lc.config import ConfigError
@@ -23,7 +29,7 @@ from moe_lc.parallel.data_parallel import DataParallelGroups, apply_fsdp, mixed_
 from moe_lc.parallel.expert_parallel import apply_expert_parallel
 from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.parallel.local_params import expose_all_local_parameters
-from moe_lc.parallel.mesh import build_expert_mesh, dims_group
+from moe_lc.parallel.mesh import build_expert_mesh, data_parallel_group, dims_group
 from moe_lc.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -65,34 +71,57 @@ def parallelize(
 
     expert_params = {id(p) for m in model.modules() if isinstance(m, LatentMoE) for p in m.experts.parameters()}
     dp_groups = DataParallelGroups(
-        dense=dims_group(mesh, ("dp_replicate", "dp_shard")),
+        dense=data_parallel_group(mesh),  # dp x cp: cp ranks hold different tokens
         expert=dims_group(expert_mesh, ("dp_replicate", "edp")),
         expert_params=expert_params,
     )
     if layout.dp_mode == "fsdp":
         apply_fsdp(
             model,
-            _fsdp_mesh(mesh, "dp_shard"),
-            _fsdp_mesh(expert_mesh, "edp"),
+            _fsdp_mesh(mesh, ("dp_shard", "cp")),
+            _fsdp_mesh(expert_mesh, ("edp",)),
             mixed_precision_policy(layout.param_dtype, mesh.device_type),
         )
         # FSDP replaced the parameter objects: record the experts' new ones.
         dp_groups.expert_params = {
             id(p) for m in model.modules() if isinstance(m, LatentMoE) for p in m.experts.parameters()
         }
+    if layout.cp > 1:
+        model.register_forward_pre_hook(_require_context_shard(layout.cp), with_kwargs=True)
     model.moe_lc_parallel = ParallelContext(layout, mesh, expert_mesh, dp_groups)
     return model
 
 
-def _fsdp_mesh(mesh: DeviceMesh, shard_dim: str) -> DeviceMesh:
-    """1-D FSDP mesh, or the 2-D (dp_replicate, shard) HSDP mesh when there are replicas.
+def _fsdp_mesh(mesh: DeviceMesh, shard_dims: tuple[str, ...]) -> DeviceMesh:
+    """1-D FSDP mesh over ``shard_dims`` (flattened when several hold more than one rank, e.g.
+    dp_shard x cp), or the 2-D (dp_replicate, shard) HSDP mesh when there are replicas.
 
     (A size-1 replicate dim would only add a mesh dim to every DTensor, which makes DTensor's
     sharding propagation much slower for nothing.)
     """
-    if mesh.size(mesh.mesh_dim_names.index("dp_replicate")) == 1:
-        return mesh[shard_dim]
-    return mesh["dp_replicate", shard_dim]
+    names = mesh.mesh_dim_names
+    live = tuple(d for d in shard_dims if mesh.size(names.index(d)) > 1) or shard_dims[:1]
+    shard = mesh[live]._flatten("_".join(live)) if len(live) > 1 else mesh[live[0]]
+    if mesh.size(names.index("dp_replicate")) == 1:
+        return shard
+    if len(live) == 1:
+        return mesh["dp_replicate", live[0]]
+    return DeviceMesh._concatenate([mesh["dp_replicate"], shard])
+
+
+def _require_context_shard(cp: int):
+    """Model forward pre-hook under cp > 1: the inputs must be this rank's shard of the row. A whole
+    row would run on every cp rank and its gradients be summed cp times over."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        docs = kwargs.get("docs", args[2] if len(args) > 2 else None)
+        shard = getattr(docs, "shard", None)
+        if shard is None or shard.context.size != cp:
+            raise ValueError(f"layout.cp={cp}: the model needs this rank's shard of each packed row; call it with "
+                             "model(**shard_model_inputs(input_ids, labels, docs, ContextShard.from_mesh(mesh, "
+                             "row_len))) (moe_lc.parallel.context)")
+
+    return hook
 
 
 def parallel_context(model: MoELCModel) -> Optional[ParallelContext]:
