@@ -1,7 +1,8 @@
 """Shared test settings.
 
 One intra-op thread per process: the suite runs multi-process (gloo) tests on a 2-core
-machine, and oversubscribed OpenMP threads spin-wait each other into 5-10x slowdowns.
+machine, and oversubscribed OpenMP threads spin-wait each other into 5-10x slowdowns. Triton's
+interpreter on machines without a GPU.
 """
 
 import os
@@ -10,6 +11,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# Triton kernels run in Triton's interpreter where there is no GPU. The choice is made when a
+# kernel module is imported (its @triton.jit functions are built for one mode), so it is set
+# here, before any test module imports moe_lc (whose ops import the kernels) in either mode.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(1)
 

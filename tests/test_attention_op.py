@@ -293,7 +293,7 @@ def standin_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale
 def test_varlen_packs_each_query_pieces_keys(case, monkeypatch):
     """On CPU, with a stand-in for FlashAttention's kernel: the varlen path's packing of query pieces
     and their keys (cu_seqlens of both sides, the key index, the maxima) and its backward."""
-    monkeypatch.setattr(attention, "varlen_attn", standin_varlen)
+    monkeypatch.setattr(attention, "_varlen_api", lambda: standin_varlen)
     monkeypatch.setattr(attention, "_varlen_options", lambda: (True, True))
     monkeypatch.setattr(attention, "backend_unavailable_reason", lambda name, device: None)
     monkeypatch.setattr(attention, "inputs_unsupported_reason", lambda name, q, k, v: None)

@@ -64,14 +64,31 @@ from moe_lc_kernels.transfer import upload
 if TYPE_CHECKING:  # documents.py imports this module
     from moe_lc.ops.documents import DocumentBounds
 
-try:
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-except ImportError:  # torch < 2.5
-    BlockMask = create_block_mask = flex_attention = None
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # torch < 2.10
-    varlen_attn = None
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
+
+# The flex and varlen modules are imported on first use: importing flex_attention imports the
+# compiler stack (torch._dynamo, Triton), seconds that every import of the model would pay, and
+# importing the model must not need Triton at all.
+@functools.cache
+def _flex_api() -> Optional[tuple[Callable, Callable]]:
+    """(create_block_mask, flex_attention), or None where this torch has no flex attention (< 2.5)."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    return create_block_mask, flex_attention
+
+
+@functools.cache
+def _varlen_api() -> Optional[Callable]:
+    """torch.nn.attention.varlen.varlen_attn, or None where this torch has none (< 2.10)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
 
 __all__ = [
     "BACKENDS",
@@ -192,13 +209,13 @@ def backend_unavailable_reason(backend: str, device: torch.device) -> Optional[s
     if backend == "torch":
         return None
     if backend == "flex":
-        if flex_attention is None:
+        if _flex_api() is None:
             return f"torch {torch.__version__} has no torch.nn.attention.flex_attention (it needs torch >= 2.5)"
         if device.type not in ("cuda", "cpu"):
             return f"flex attention runs on CUDA and CPU here, not {device.type}"
         return None
     if backend == "varlen":
-        if varlen_attn is None:
+        if _varlen_api() is None:
             return f"torch {torch.__version__} has no torch.nn.attention.varlen (it needs torch >= 2.10)"
         if device.type != "cuda":
             return f"varlen_attn runs FlashAttention kernels on CUDA only, not {device.type}"
@@ -316,6 +333,7 @@ def _document_causal_at(positions: Tensor, doc_ids: Optional[Tensor]) -> Callabl
 
 def _block_mask(mask_mod: Callable, seq_len: int, device: torch.device, query_len: Optional[int] = None) -> "BlockMask":
     # Eager create_block_mask materialises the T x T mask (GBs at 64K); compiled, it does not.
+    create_block_mask = _flex_api()[0]
     build = _compiled(create_block_mask) if device.type == "cuda" else create_block_mask
     return build(mask_mod, None, None, seq_len if query_len is None else query_len, seq_len, device=device)
 
@@ -447,6 +465,7 @@ def _torch_pieces(q: Tensor, k: Tensor, v: Tensor, scale: float, queries: QueryP
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, scale: float, block_mask: "BlockMask") -> Tensor:
+    flex_attention = _flex_api()[1]
     attend = _compiled(flex_attention) if q.is_cuda else flex_attention
     return attend(q, k, v, block_mask=block_mask, scale=scale)
 
@@ -459,7 +478,7 @@ def _varlen_head_dim(qk_dim: int, v_dim: int) -> int:
 @functools.cache
 def _varlen_options() -> tuple[bool, bool]:
     """(takes window_size, takes scale): its first release asked for is_causal and took no scale."""
-    params = inspect.signature(varlen_attn).parameters
+    params = inspect.signature(_varlen_api()).parameters
     return "window_size" in params, "scale" in params
 
 
@@ -483,7 +502,7 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: DocumentMask) -
     options = {"window_size": (-1, 0)} if windowed else {"is_causal": True}
     if scaled:
         options["scale"] = scale
-    out = varlen_attn(packed(q), keys, values, mask.cu_seqlens, cu_k, mask.max_len, max_k, **options)
+    out = _varlen_api()(packed(q), keys, values, mask.cu_seqlens, cu_k, mask.max_len, max_k, **options)
     return out[..., :v_dim].reshape(B, T, H, v_dim).transpose(1, 2)
 
 
