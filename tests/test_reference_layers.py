@@ -223,6 +223,7 @@ MOE_CASES = {
     "no-latent-no-shared": dataclasses.replace(MOE, latent_dim=None, num_shared=0),
     "swiglu-one-shared-top-3": dataclasses.replace(MOE, activation="swiglu", num_shared=1, top_k=3,
                                                             routing_scale=1.0),
+    "sign-balancing": dataclasses.replace(MOE, balancing="sign"),  # selects with its own top-k, not QB's cutoff
 }
 
 
