@@ -179,7 +179,9 @@ def _layer_matmul_parameters(cfg: ModelConfig, kind: str, dense: bool) -> int:
     return mixer + ffn - _elementwise_params(cfg, kind, not dense)
 
 
-def layer_training_flops_per_token(cfg: ModelConfig, seq_len: int, keys_per_token: Optional[float] = None) -> list[float]:
+def layer_training_flops_per_token(
+    cfg: ModelConfig, seq_len: int, keys_per_token: Optional[float] = None
+) -> list[float]:
     """:func:`training_flops_per_token` by decoder layer; what is left of the total is the LM head's.
 
     For placing work on pipeline stages: at long context an MLA layer costs many KDA layers.

@@ -236,7 +236,8 @@ class MemoryModel:
         buffers["pp"] = 0.0
         if not stage.first:
             sources = sources_before_layer(cfg, stage.layers.start)
-            buffers["pp"] = sources * tokens * cfg.d_model * max(path.stream, path.act) * (self._in_flight(stage, L) + 1)
+            received = self._in_flight(stage, L) + 1  # one set per micro-batch in flight, one send buffer
+            buffers["pp"] = sources * tokens * cfg.d_model * max(path.stream, path.act) * received
         # bf16 autocast over fp32 weights caches each dense weight's bf16 copy until the forward ends
         buffers["autocast"] = 2 * params.dense(L.tp) if path.casts else 0.0
         buffers["cp"] = 0.0

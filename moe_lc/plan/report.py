@@ -43,9 +43,11 @@ def largest_memory_terms(mem: MemoryBreakdown, count: int = 2) -> str:
 
 
 def time_line(t: StepTime) -> str:
-    return (f"time s       compute {t.compute:.3g} (recompute {t.recompute:.3g})  bubble {t.bubble:.3g}  tp {t.tp:.3g}  "
-            f"ep {t.ep:.3g}  cp {t.cp:.3g}  pp {t.pp:.3g}  fsdp {t.fsdp:.3g}  dp sync {t.dp_sync:.3g}  optimizer "
-            f"{t.optimizer:.3g}  => {t.step:.3g}  (pipeline stage {t.stage} sets the pace)")
+    terms = "  ".join(f"{name} {getattr(t, term):.3g}" for term, name in (
+        ("bubble", "bubble"), ("tp", "tp"), ("ep", "ep"), ("cp", "cp"), ("pp", "pp"), ("fsdp", "fsdp"),
+        ("dp_sync", "dp sync"), ("optimizer", "optimizer")))
+    return (f"time s       compute {t.compute:.3g} (recompute {t.recompute:.3g})  {terms}  => {t.step:.3g}  "
+            f"(pipeline stage {t.stage} sets the pace)")
 
 
 def limits(c: Candidate, cluster: Cluster) -> str:

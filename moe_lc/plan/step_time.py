@@ -12,8 +12,9 @@ sizes in bytes per micro-batch):
 
 - tp: each decoder layer's token mixer and dense GLU (dense FFN, shared experts) all-gather their
   input and reduce-scatter their output, N d per collective (N = micro_batch x seq_len / cp): 4 in
-  the forward, 4 in the backward, 4 more in the recompute of a checkpointed layer (either policy:
-  collectives are not outputs the selective policy keeps); embedding and LM head 2 each;
+  the forward (2 without a dense GLU), as many in the backward and in the recompute of a
+  checkpointed layer (either policy: collectives are not outputs the selective policy keeps);
+  embedding and LM head 2 each;
 - ep: per MoE layer the dispatch and the combine all-to-all (forward, backward, recompute) of
   tokens x top_k x latent values per rank, spread over the ep group (uniform routing);
 - cp: per MLA layer the all-gather of the row's latents, N (kv_lora_rank + qk_rope_dim), and its
@@ -44,7 +45,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from moe_lc.model.accounting import layer_training_flops_per_token, mtp_training_flops_per_token, training_flops_per_token
+from moe_lc.model.accounting import (
+    layer_training_flops_per_token,
+    mtp_training_flops_per_token,
+    training_flops_per_token,
+)
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointMode
 from moe_lc.parallel.activation_memory import sources_before_layer
 from moe_lc.parallel.layout import ParallelLayout
@@ -233,7 +238,7 @@ class TimeModel:
         boundary = sources_before_layer(cfg, stage.layers.stop if not stage.last else stage.layers.start)
         work = _StageWork(
             flops, recompute,
-            tp_collectives=sum(4 * passes(i) for i in layers) + 2 * stage.first + 2 * stage.last,
+            tp_collectives=sum(self._tp_regions(i) * 2 * passes(i) for i in layers) + 2 * stage.first + 2 * stage.last,
             moe_passes=sum(passes(i) for i in layers if not cfg.is_dense_layer(i)),
             mla_passes=sum(passes(i) for i in layers if i in mla),
             kda_passes=sum(passes(i) for i in layers if i not in mla),
@@ -241,6 +246,12 @@ class TimeModel:
         )
         self._work[key] = work
         return work
+
+    def _tp_regions(self, layer: int) -> int:
+        """Tensor-parallel regions of a layer (each: an all-gather in, a reduce-scatter out): its token mixer
+        and its dense GLU (the dense FFN, or the MoE's shared experts when it has any)."""
+        cfg = self.facts.cfg
+        return 1 + (cfg.is_dense_layer(layer) or cfg.moe.num_shared > 0)
 
     def _rates(self, stage: PipelineStage, L: Degrees) -> "_Rates":
         """What each unit of the stage's work costs under the degrees ``L`` (no policy needed)."""
