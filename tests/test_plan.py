@@ -19,10 +19,10 @@ from moe_lc.model.accounting import (
 from moe_lc.model.init import build_model
 from moe_lc.model.moe import RoutedExperts
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing
-from moe_lc.parallel.activation_memory import estimate_activations, layer_activations
+from moe_lc.parallel.activation_memory import GPU_AUTOCAST, GPU_BF16_WEIGHTS, estimate_activations, layer_activations
 from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.plan.hardware import ClusterRequest
-from moe_lc.plan.memory import GPU_AUTOCAST, GPU_BF16_WEIGHTS, MemoryModel, StageShape
+from moe_lc.plan.memory import MemoryModel, StageShape, gpu_execution_path
 from moe_lc.plan.model_facts import model_facts
 from moe_lc.plan.search import EP_MAX_NODES, MIN_CP_TOKENS, candidate_layouts, recommend
 from moe_lc.plan.step_time import TimeModel
@@ -169,8 +169,6 @@ def test_context_parallel_mla_keeps_the_whole_rows_keys_and_values_unless_fully_
 
 
 def test_the_execution_path_follows_the_data_parallel_mode():
-    from moe_lc.plan.memory import gpu_execution_path
-
     assert gpu_execution_path(layout(8)) == GPU_BF16_WEIGHTS
     assert gpu_execution_path(layout(8, dp_mode="zero1")) == GPU_AUTOCAST
     assert gpu_execution_path(layout(1)) == GPU_AUTOCAST

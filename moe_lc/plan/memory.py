@@ -134,9 +134,6 @@ class MemoryBreakdown:
     def total(self) -> float:
         return max(self.training_peak, self.optimizer_step)
 
-    def gib(self, value: float) -> float:
-        return value / GiB
-
 
 def _sharded(share: Share, layout: Degrees, over_replicas: bool) -> float:
     """Parameters of ``share`` per rank after data-parallel sharding (over dp_replicate too for ZeRO-1's state)."""
@@ -145,8 +142,9 @@ def _sharded(share: Share, layout: Degrees, over_replicas: bool) -> float:
     return share.dense(L.tp) / (L.dp_shard * L.cp * replicas) + share.experts / L.ep / (L.edp * replicas)
 
 
-def optimizer_bytes_per_param(optimizer: str, adamw_share: bool) -> int:
-    return ADAMW_STATE if optimizer != "muon" or adamw_share else MUON_STATE
+def optimizer_bytes_per_param(optimizer: str, updated_by_adamw: bool) -> int:
+    """State bytes of one parameter: Muon keeps one buffer for its matrices, AdamW two for the rest."""
+    return ADAMW_STATE if optimizer != "muon" or updated_by_adamw else MUON_STATE
 
 
 class MemoryModel:

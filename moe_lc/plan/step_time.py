@@ -58,7 +58,7 @@ from moe_lc.plan.memory import Degrees, StageShape
 from moe_lc.plan.model_facts import ModelFacts, PipelineStage, Share
 
 ACT = 2  # bf16 activations on the wire
-GRAD = 4  # fp32 gradient reduction
+FP32 = 4  # gradient reduction, ZeRO-1's updated parameters, KDA states
 ADAMW_BYTES = 16 + 12  # read weight, gradient, two moments; write weight and moments (fp32)
 MUON_BYTES = 12 + 8  # read weight, gradient, momentum; write weight and momentum
 TERMS = ("compute", "bubble", "tp", "ep", "cp", "pp", "fsdp", "dp_sync", "optimizer")
@@ -175,7 +175,7 @@ class _Rates:
     zero1_sync: float
     optimizer: float
 
-    def micro(self, w: "_StageWork") -> _Micro:
+    def micro(self, w: _StageWork) -> _Micro:
         compute = (w.flops + w.recompute) * self.flop
         sync = max(0.0, self.fsdp_reduce - 2 / 3 * compute) + self.zero1_sync
         return _Micro(compute, w.recompute * self.flop, w.tp_collectives * self.tp_collective,
@@ -206,7 +206,7 @@ class TimeModel:
         rates = [self._rates(stage, L) for stage in self.facts.pipeline_stages(L.pp)]
         times = []
         for policy in policies:
-            micros = [r.micro(self.work(r.stage, policy)) for r in rates]
+            micros = [r.micro(self._stage_work(r.stage, policy)) for r in rates]
             crit = max(range(len(micros)), key=lambda s: micros[s].total)
             c = micros[crit]
             times.append(StepTime(
@@ -217,7 +217,7 @@ class TimeModel:
             ))
         return times
 
-    def work(self, stage: PipelineStage, policy: ActivationCheckpointing) -> _StageWork:
+    def _stage_work(self, stage: PipelineStage, policy: ActivationCheckpointing) -> _StageWork:
         key = (stage.layers, stage.first, stage.last, policy.mode, policy.every)
         if key in self._work:
             return self._work[key]
@@ -238,7 +238,8 @@ class TimeModel:
         boundary = sources_before_layer(cfg, stage.layers.stop if not stage.last else stage.layers.start)
         work = _StageWork(
             flops, recompute,
-            tp_collectives=sum(self._tp_regions(i) * 2 * passes(i) for i in layers) + 2 * stage.first + 2 * stage.last,
+            tp_collectives=sum(self._tp_regions(i) * 2 * passes(i) for i in layers)
+            + 2 * stage.first + 2 * stage.last,  # the embedding's and the head's
             moe_passes=sum(passes(i) for i in layers if not cfg.is_dense_layer(i)),
             mla_passes=sum(passes(i) for i in layers if i in mla),
             kda_passes=sum(passes(i) for i in layers if i not in mla),
@@ -253,14 +254,14 @@ class TimeModel:
         cfg = self.facts.cfg
         return 1 + (cfg.is_dense_layer(layer) or cfg.moe.num_shared > 0)
 
-    def _rates(self, stage: PipelineStage, L: Degrees) -> "_Rates":
+    def _rates(self, stage: PipelineStage, L: Degrees) -> _Rates:
         """What each unit of the stage's work costs under the degrees ``L`` (no policy needed)."""
         cfg, shape, cluster = self.facts.cfg, self.shape, self.cluster
         tokens = shape.rank_tokens(L)
         e, k = cfg.moe, cfg.kda
         cp_group = Group.of(cluster, L.cp, L.tp)
         latents = shape.row_tokens * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_dim) * ACT
-        states = L.cp * 2 * k.num_heads / L.tp * k.head_dim * 2 * k.head_dim * 4
+        states = L.cp * 2 * k.num_heads / L.tp * k.head_dim * 2 * k.head_dim * FP32
         pp_source = 0.0
         if L.pp > 1:
             neighbours = Group.of(cluster, 2, L.world // L.pp)  # consecutive stages
@@ -277,20 +278,22 @@ class TimeModel:
             gather = 2 * (ring_time(cluster, dense_local * ACT, dense_group)
                           + ring_time(cluster, experts_local * ACT, expert_group))
             replicas = Group.of(cluster, L.dp_replicate, L.dp_shard * L.cp * L.tp)
-            reduce = (ring_time(cluster, dense_local * GRAD, dense_group)
-                      + ring_time(cluster, experts_local * GRAD, expert_group)
-                      + all_reduce_time(cluster, dense_local / dense_group.size * GRAD, replicas)
-                      + all_reduce_time(cluster, experts_local / expert_group.size * GRAD, replicas))
+            reduce = (ring_time(cluster, dense_local * FP32, dense_group)
+                      + ring_time(cluster, experts_local * FP32, expert_group)
+                      + all_reduce_time(cluster, dense_local / dense_group.size * FP32, replicas)
+                      + all_reduce_time(cluster, experts_local / expert_group.size * FP32, replicas))
         else:  # the gradients' all-reduce, then each owner's updated fp32 values to every rank
             dense_dp = Group.of(cluster, L.dp_replicate * L.dp_shard * L.cp, L.tp)
             expert_dp = Group.of(cluster, L.dp_replicate * L.edp, L.ep)
-            zero1 = (all_reduce_time(cluster, dense_local * GRAD, dense_dp)
-                     + all_reduce_time(cluster, experts_local * GRAD, expert_dp)
-                     + ring_time(cluster, dense_local * 4, dense_dp) + ring_time(cluster, experts_local * 4, expert_dp))
+            zero1 = (all_reduce_time(cluster, dense_local * FP32, dense_dp)
+                     + all_reduce_time(cluster, experts_local * FP32, expert_dp)
+                     + ring_time(cluster, dense_local * FP32, dense_dp)
+                     + ring_time(cluster, experts_local * FP32, expert_dp))
         return _Rates(
             stage,
             flop=tokens / cluster.flops,
-            tp_collective=ring_time(cluster, shape.row_tokens / L.cp * cfg.d_model * ACT, Group.of(cluster, L.tp, 1)),
+            tp_collective=ring_time(cluster, shape.row_tokens / L.cp * cfg.d_model * ACT,
+                                    Group.of(cluster, L.tp, 1)),
             moe_pass=2 * all_to_all_time(cluster, tokens * e.top_k * (e.latent_dim or cfg.d_model) * ACT,
                                          Group.of(cluster, L.ep, 1)),
             mla_pass=ring_time(cluster, latents, cp_group),
