@@ -73,10 +73,45 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Validate every stage of a recipe and print its plan (memory, tokens, steps per stage)."""
+    """Validate every stage of a recipe and print its plan, or with --gpus the recommended layouts."""
+    from moe_lc.plan.hardware import ClusterRequest
     from moe_lc.train.main import run_plan_cli
 
-    return run_plan_cli(args.recipe, args.overrides)
+    if args.gpus is None:
+        given = [flag for flag, value in (("--gpu-memory", args.gpu_memory), ("--gpu", args.gpu)) if value is not None]
+        if given:
+            print(f"error: {' and '.join(given)} describe a cluster to plan for; give its size with --gpus N",
+                  file=sys.stderr)
+            return 2
+        return run_plan_cli(args.recipe, args.overrides)
+    cluster = ClusterRequest(args.gpus, args.gpu_memory, args.gpu, args.gpus_per_node, args.interconnect, args.margin)
+    return run_plan_cli(args.recipe, args.overrides, cluster, args.runners_up)
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    from moe_lc.plan.hardware import DEFAULT_MARGIN, GPUS, NETWORKS
+
+    p.add_argument("recipe", help="a recipe name, e.g. k3-8k (moe-lc train --list shows them)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. layout.tp=4")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="recommend a layout per stage for this many GPUs (without it: the recipe's own layouts)")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
+                   help="memory of one GPU (default: the GPU's datasheet size)")
+    p.add_argument("--gpu", default=None, choices=sorted(GPUS),
+                   help="the GPU's speeds (default: h100 for 80 GiB or less, else h200)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs joined by NVLink (default 8)")
+    p.add_argument("--interconnect", default="ib400", choices=sorted(NETWORKS),
+                   help="the network between nodes, per GPU (default ib400)")
+    p.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                   help=f"share of the memory to keep free (default {DEFAULT_MARGIN})")
+    p.add_argument("--runners-up", type=int, default=3, help="layouts shown after the best (default 3)")
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    """`moe-lc plan`'s own parser: options may follow the recipe and its overrides."""
+    p = argparse.ArgumentParser(prog="moe-lc plan", description=cmd_plan.__doc__)
+    add_plan_arguments(p)
+    return p
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -112,9 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     # listed for --help only: main() hands everything after `train` to Hydra before argparse sees it
     train = sub.add_parser("train", help="train a recipe: moe-lc train [recipe=NAME] [key=value ...] (Hydra)")
     train.add_argument("overrides", nargs=argparse.REMAINDER, help="recipe=NAME and Hydra overrides")
-    plan = sub.add_parser("plan", help="validate a recipe and print its plan (memory, tokens, steps per stage)")
-    plan.add_argument("recipe", help="a recipe name, e.g. k3-8k (moe-lc train --list shows them)")
-    plan.add_argument("overrides", nargs=argparse.REMAINDER, help="Hydra overrides, e.g. layout.tp=4")
+    plan = sub.add_parser("plan", help="validate a recipe and print its plan; with --gpus N the recommended "
+                          "layout of every stage")
+    add_plan_arguments(plan)  # main() parses `plan` with plan_parser(), which lets options follow the overrides
     plan.set_defaults(func=cmd_plan)
     # listed for --help only: main() hands everything after `bench` to its own parser
     bench = sub.add_parser("bench", help="time a recipe's stage here: tokens/s, MFU, memory, time per component")
@@ -137,6 +172,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from moe_lc.train.main import run_bench_cli
 
         return run_bench_cli(argv[1:])
+    if argv and argv[0] == "plan":
+        return cmd_plan(plan_parser().parse_intermixed_args(argv[1:]))
     args = build_parser().parse_args(argv)
     return args.func(args)
 

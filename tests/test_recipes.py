@@ -248,9 +248,10 @@ def test_config_snapshot_is_json_with_the_layout_choices_as_strings():
 
 
 def test_memory_estimate_state_term_is_sixteen_bytes_per_parameter_over_the_shards():
-    cfg = compose_recipe("k3-8k")
+    flat = ["layout.pp=1", "layout.tp=1"]  # one pipeline stage, nothing replicated over tp: every rank holds 1/world
+    cfg = compose_recipe("k3-8k", flat)
     plan = plan_curriculum(cfg, 4096)[0]
-    est = estimate_stage(compose_recipe("k3-8k", ["optim=adamw"]), plan)
+    est = estimate_stage(compose_recipe("k3-8k", ["optim=adamw", *flat]), plan)
     params = count_parameters(cfg.model).total
     assert est.state_gib == pytest.approx(params * 16 / plan.layout.state_shards / 2**30)
     assert est.by_policy_gib["full"] < est.by_policy_gib["selective"] < est.by_policy_gib["none"]

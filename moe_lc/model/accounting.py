@@ -116,11 +116,10 @@ def causal_keys_per_token(doc_lengths: Iterable[int]) -> float:
     return sum(n * (n + 1) / 2 for n in lengths) / tokens
 
 
-def mixing_flops_per_token(cfg: ModelConfig, seq_len: int, keys_per_token: Optional[float] = None) -> float:
-    """Forward FLOPs per token of the sequence-dependent token mixing (not in the parameter count).
+def mixing_flops_per_layer(cfg: ModelConfig, seq_len: int, keys_per_token: Optional[float] = None) -> dict[str, float]:
+    """Forward FLOPs per token of one layer's token mixing, by layer kind ("K": KDA, "M": MLA).
 
-    keys_per_token: mean keys per query (:func:`causal_keys_per_token` of the batch's documents);
-    None means one document per sequence, (seq_len + 1) / 2.
+    keys_per_token as in :func:`mixing_flops_per_token`.
     """
     m, k = cfg.mla, cfg.kda
     avg_keys = (seq_len + 1) / 2 if keys_per_token is None else keys_per_token
@@ -131,9 +130,17 @@ def mixing_flops_per_token(cfg: ModelConfig, seq_len: int, keys_per_token: Optio
     # intra-chunk (per token, over c/2 earlier tokens on average): QK^T, KK^T, attention x (U - W S)
     # and the triangular solve of the UT transform.
     kda = k.num_heads * (2 * 3 * K * V + 2 * (c / 2) * (2 * K + V) + c * c / 3)
-    n_mla = cfg.pattern.count("M")
-    n_kda = cfg.pattern.count("K")
-    return n_mla * mla + n_kda * kda
+    return {"K": kda, "M": mla}
+
+
+def mixing_flops_per_token(cfg: ModelConfig, seq_len: int, keys_per_token: Optional[float] = None) -> float:
+    """Forward FLOPs per token of the sequence-dependent token mixing (not in the parameter count).
+
+    keys_per_token: mean keys per query (:func:`causal_keys_per_token` of the batch's documents);
+    None means one document per sequence, (seq_len + 1) / 2.
+    """
+    per_layer = mixing_flops_per_layer(cfg, seq_len, keys_per_token)
+    return sum(per_layer[kind] for kind in cfg.pattern)
 
 
 def _elementwise_params(cfg: ModelConfig, kind: str, moe: bool) -> int:
@@ -162,3 +169,35 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int, keys_per_token: Opt
     keys_per_token as in :func:`mixing_flops_per_token` (None: one document per sequence).
     """
     return 3.0 * (2.0 * matmul_parameters(cfg) + mixing_flops_per_token(cfg, seq_len, keys_per_token))
+
+
+def _layer_matmul_parameters(cfg: ModelConfig, kind: str, dense: bool) -> int:
+    """Active matmul parameters of one decoder layer of ``kind`` ("K", "M") with a dense or MoE FFN."""
+    moe_dense, one_expert, _ = _moe_params(cfg)
+    mixer = _kda_params(cfg) if kind == "K" else _mla_params(cfg)
+    ffn = 3 * cfg.d_model * cfg.moe.dense_hidden if dense else moe_dense + cfg.moe.top_k * one_expert
+    return mixer + ffn - _elementwise_params(cfg, kind, not dense)
+
+
+def layer_training_flops_per_token(
+    cfg: ModelConfig, seq_len: int, keys_per_token: Optional[float] = None
+) -> list[float]:
+    """:func:`training_flops_per_token` by decoder layer; what is left of the total is the LM head's.
+
+    For placing work on pipeline stages: at long context an MLA layer costs many KDA layers.
+    """
+    mixing = mixing_flops_per_layer(cfg, seq_len, keys_per_token)
+    return [3.0 * (2.0 * _layer_matmul_parameters(cfg, kind, cfg.is_dense_layer(i)) + mixing[kind])
+            for i, kind in enumerate(cfg.pattern)]
+
+
+def mtp_training_flops_per_token(cfg: ModelConfig, seq_len: int, keys_per_token: Optional[float] = None) -> float:
+    """Forward + backward FLOPs per token of the MTP module (projection, its MLA layer, its LM head).
+
+    Not model FLOPs (MFU leaves the MTP layer out, see the module docstring) but work a step does."""
+    if not cfg.mtp:
+        return 0.0
+    d = cfg.d_model
+    layer = _layer_matmul_parameters(cfg, "M", cfg.is_dense_layer(cfg.num_layers))
+    matmul = 2 * d * d + layer + cfg.padded_vocab_size * d
+    return 3.0 * (2.0 * matmul + mixing_flops_per_layer(cfg, seq_len, keys_per_token)["M"])

@@ -286,14 +286,20 @@ def _mtp_path(path: ExecutionPath) -> ExecutionPath:
     return replace(path, stream=path.act)
 
 
-def final_sources(cfg: ModelConfig) -> int:
-    """Sources of the output mixture (the embedding, completed blocks or outputs, the partial sum)."""
-    mode, L = cfg.attn_res.mode, cfg.num_layers
+def sources_before_layer(cfg: ModelConfig, layer_idx: int) -> int:
+    """Residual-stream tensors alive when decoder layer ``layer_idx`` starts: what a pipeline stage
+    boundary before it carries (the embedding, completed blocks or sublayer outputs, the partial sum)."""
+    mode, block = cfg.attn_res.mode, cfg.attn_res.block_size
     if mode == "none":
         return 1
     if mode == "full":
-        return 1 + 2 * L
-    return 1 + L // cfg.attn_res.block_size + (L % cfg.attn_res.block_size > 0)
+        return 1 + 2 * layer_idx
+    return 1 + layer_idx // block + (layer_idx % block > 0)
+
+
+def final_sources(cfg: ModelConfig) -> int:
+    """Sources of the output mixture (the embedding, completed blocks or outputs, the partial sum)."""
+    return sources_before_layer(cfg, cfg.num_layers)
 
 
 def outside_layers_bytes(cfg: ModelConfig, tokens: int, path: ExecutionPath, loss_chunk_elements: int = 1 << 28) -> float:

@@ -4,6 +4,7 @@ plan; `moe-lc bench`: time one of its stages.
     moe-lc train                                   # the smoke recipe
     moe-lc train recipe=proxy-8k optim.lr=1e-3     # any recipe, any field
     moe-lc plan k3-8k                              # validate every stage and print the plan
+    moe-lc plan k3-8k --gpus 1024 --gpu-memory 141 # the recommended layout of every stage on 1024 GPUs
     moe-lc bench proxy-8k --steps 10 --profile     # tokens/s, MFU, memory, time per component
     moe-lc train --cfg                             # print the composed config
     moe-lc train --list                            # recipes and config-group options
@@ -17,9 +18,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from moe_lc.config import ConfigError
+
+if TYPE_CHECKING:
+    from moe_lc.plan.hardware import ClusterRequest
 
 FLAGS = ("--cfg", "--list", "--help", "-h")
 
@@ -72,19 +76,24 @@ def run_train_cli(argv: Optional[Sequence[str]] = None) -> int:
     return _exit_code(compose_and_train)
 
 
-def run_plan_cli(recipe: str, overrides: Sequence[str] = ()) -> int:
-    """`moe-lc plan RECIPE [key=value ...]`: compose, check every stage and print the plan.
+def run_plan_cli(recipe: str, overrides: Sequence[str] = (), cluster: Optional["ClusterRequest"] = None,
+                 runners_up: int = 3) -> int:
+    """`moe-lc plan RECIPE [key=value ...] [--gpus N ...]`: compose, check every stage and print the plan.
 
-    The plan is for `layout.world_size` ranks when the recipe pins it, else for $WORLD_SIZE
-    (1 when unset), so `layout.world_size=N` plans a recipe for N ranks.
+    Without a cluster: the recipe's own layouts for `layout.world_size` ranks when the recipe pins
+    it, else for $WORLD_SIZE (1 when unset), so `layout.world_size=N` plans a recipe for N ranks.
+    With one (`--gpus N --gpu-memory G ...`): the recommended layout of every stage on it.
     """
     from moe_lc.train.recipes import compose_recipe, recipes_dir, split_recipe_args
 
     def plan() -> None:
-        from moe_lc.train.plan import plan_text
+        from moe_lc.train.plan import plan_text, recommend_text
 
         _, rdir, rest = split_recipe_args(overrides)
         cfg = compose_recipe(recipe, rest, recipes_dir(rdir))
+        if cluster is not None:
+            print(recommend_text(cfg, cluster.resolve(), runners_up))
+            return
         print(plan_text(cfg, cfg.layout.world_size or int(os.environ.get("WORLD_SIZE", "1"))))
 
     return _exit_code(plan)

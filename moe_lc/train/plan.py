@@ -1,110 +1,76 @@
 """`moe-lc plan RECIPE`: what a recipe would do, without building anything.
 
-Per stage: tokens and sequences per step, gradient accumulation, steps, FLOPs, and a memory
-estimate per GPU. The memory model is for sizing layouts and checkpointing policies:
+Two questions:
 
-- training state, sharded over every rank except data-parallel replicas (FSDP2/ZeRO over
-  dp_shard x cp x tp x pp, experts over ep inside that): fp32 weights 4 B + fp32 gradients
-  4 B + optimizer state (AdamW 8 B; Muon 4 B for its matrices, 8 B for the rest) per parameter;
-- activations one micro-batch keeps for backward under the stage's activation checkpointing
-  policy (`moe_lc.parallel.activation_memory`: an analytic count per layer and component of the
-  tensors the GPU path saves, tokens split over cp and, with sequence parallelism, tp), for the
-  heaviest layers of a pipeline stage; 1F1B keeps up to `pp` micro-batches in flight on the first
-  stage;
-- the backward's working memory: the recompute of one checkpointed layer, the KDA backward's
-  buffers and gradients in flight, and the loss's logits (one recomputed chunk, vocabulary split
-  over tp).
+- `plan_text(cfg, world_size)`: the recipe's own layouts for ``world_size`` ranks. Per stage: tokens
+  and sequences per step, gradient accumulation, steps, FLOPs, the memory per GPU of the heaviest
+  pipeline stage (`moe_lc.plan.memory`) and the step time on H200s (`moe_lc.plan.step_time`).
+- `recommend_text(cfg, cluster)`: for ``cluster`` (`moe-lc plan RECIPE --gpus N --gpu-memory G`),
+  the fastest layout and checkpointing policy of every stage that fits the GPUs' memory, and the
+  runners-up (`moe_lc.plan.search`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import Optional
 
 from moe_lc.model.accounting import count_parameters, training_flops_per_token
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointMode
-from moe_lc.parallel.activation_memory import (
-    GPU_AUTOCAST,
-    GPU_BF16_WEIGHTS,
-    ExecutionPath,
-    backward_working_bytes_per_token,
-    estimate_activations,
-    layer_activations,
-)
-from moe_lc.parallel.layout import ParallelLayout
+from moe_lc.plan.hardware import Cluster, default_cluster
+from moe_lc.plan.memory import GiB, MemoryBreakdown, MemoryModel, StageShape, gpu_execution_path
+from moe_lc.plan.model_facts import ModelFacts, model_facts
+from moe_lc.plan.report import assumptions, recommendation_lines
+from moe_lc.plan.search import recommend
+from moe_lc.plan.step_time import StepTime, TimeModel
 from moe_lc.train.config import TrainConfig
-from moe_lc.train.curriculum import StagePlan, plan_curriculum, total_steps
+from moe_lc.train.curriculum import StagePlan, check_batch_shape, plan_curriculum, stage_steps, total_steps
 
-GiB = 1024**3
-H200_BF16_PEAK = 989e12
-PLAN_MFU = 0.4  # assumed model FLOP utilisation for the time estimate
-LOSS_CHUNK_ELEMENTS = 1 << 28  # MoELCModel.loss_chunk_elements: logits computed (and recomputed) per chunk
-LOSS_BYTES_PER_LOGIT = 2 + 4 + 4  # bf16 logits, their fp32 log-probabilities and gradient, one chunk at a time
-
-
-def gpu_execution_path(layout: ParallelLayout) -> ExecutionPath:
-    """How the layers run on GPUs under ``layout``: FSDP with bf16 compute weights, else fp32 weights
-    under bf16 autocast (one process, ZeRO-1, or FSDP with param_dtype float32)."""
-    bf16_weights = layout.world_size > 1 and layout.dp_mode == "fsdp" and layout.param_dtype in ("auto", "bfloat16")
-    return GPU_BF16_WEIGHTS if bf16_weights else GPU_AUTOCAST
+__all__ = ["StageEstimate", "estimate_stage", "gpu_execution_path", "plan_text", "recommend_text"]
 
 
 @dataclass
 class StageEstimate:
     stage: StagePlan
     flops_per_token: float
-    tokens_per_gpu_micro: int
-    layers_per_pp_stage: int
-    state_gib: float
-    activations_gib: float  # kept for backward under the stage's policy
-    by_policy_gib: dict[str, float]  # the same under each policy (none, selective, full)
-    backward_gib: float  # working memory of the backward
-    logits_gib: float  # the loss's working memory
+    memory: MemoryBreakdown  # under the stage's policy
+    by_policy_gib: dict[str, float]  # the peak's activations under each policy (none, selective, full)
+    time: StepTime  # on `cluster`
+    cluster: Cluster  # H200s (`moe_lc.plan.hardware.default_cluster`)
+
+    @property
+    def activations_gib(self) -> float:
+        return self.memory.activations / GiB
+
+    @property
+    def state_gib(self) -> float:
+        """Weights, gradients and optimizer state."""
+        return (self.memory.weights + self.memory.gradients + self.memory.optimizer) / GiB
 
     @property
     def total_gib(self) -> float:
-        """The estimated peak: state, what is kept for backward, and the backward's working memory."""
-        return self.state_gib + self.activations_gib + self.backward_gib + self.logits_gib
+        """The estimated peak."""
+        return self.memory.total / GiB
 
 
-def training_state_bytes_per_param(optimizer: str) -> float:
-    return 4 + 4 + (6 if optimizer == "muon" else 8)  # Muon: ~ half the params keep one fp32 buffer
+def facts_of(cfg: TrainConfig) -> ModelFacts:
+    return model_facts(cfg.model, cfg.optim.muon_per_head, cfg.optim.muon_ns_steps)
+
+
+def stage_shape(stage: StagePlan) -> StageShape:
+    return StageShape(stage.seq_len, stage.micro_batch, stage.sequences_per_step)
 
 
 def estimate_stage(cfg: TrainConfig, stage: StagePlan) -> StageEstimate:
-    m, L = cfg.model, stage.layout
-    params = count_parameters(m).total
-    state = params * training_state_bytes_per_param(cfg.optim.name) / (L.state_shards)
-    tokens = stage.micro_batch * stage.seq_len // (L.cp * L.tp)
-    layers = math.ceil(m.num_layers / L.pp)
-    in_flight = min(L.pp, max(1, stage.grad_accum))
-    path = gpu_execution_path(L)
-    per_layer = layer_activations(m, path)
-
-    def kept(policy: ActivationCheckpointing) -> float:
-        est = estimate_activations(m, policy, tokens * L.tp, path, per_layer)  # the loss sees T / cp tokens
-        trunk = sorted((v for k, v in est.by_layer.items() if k.startswith("layer")), reverse=True)[:layers]
-        # embedding, output mixture, loss and MTP (on the first or last pp stage); the loss gathers the
-        # sequence but splits the vocabulary, so its log-probabilities per sequence-shard token stay the same
-        extra = est.by_layer["other"] + est.by_layer.get("mtp", 0.0)
-        return tokens * (sum(trunk) + extra) * in_flight
-
-    by_policy = {mode.value: kept(ActivationCheckpointing(mode, stage.checkpointing.every)) / GiB
-                 for mode in CheckpointMode}
-    backward = tokens * backward_working_bytes_per_token(m, stage.checkpointing, path, per_layer)
-    loss_tokens = stage.micro_batch * stage.seq_len // L.cp
-    logits = min(loss_tokens * (m.padded_vocab_size // L.tp), LOSS_CHUNK_ELEMENTS) * LOSS_BYTES_PER_LOGIT
-    return StageEstimate(
-        stage,
-        training_flops_per_token(m, stage.seq_len),
-        tokens,
-        layers,
-        state / GiB,
-        kept(stage.checkpointing) / GiB,
-        by_policy,
-        backward / GiB,
-        logits / GiB,
-    )
+    """Memory and time of one stage under its own (resolved) layout and policy."""
+    facts, shape = facts_of(cfg), stage_shape(stage)
+    memory = MemoryModel(facts, shape, cfg.optim.name)
+    policies = [ActivationCheckpointing(mode, stage.checkpointing.every) for mode in CheckpointMode]
+    by_policy = {str(p.mode): m.activations / GiB for p, m in zip(policies, memory.price(stage.layout, policies))}
+    cluster = default_cluster(stage.layout.world_size, stage.layout.gpus_per_node)
+    time = TimeModel(facts, shape, cluster, cfg.optim.name)(stage.layout, stage.checkpointing)
+    return StageEstimate(stage, training_flops_per_token(cfg.model, stage.seq_len),
+                         memory(stage.layout, stage.checkpointing), by_policy, time, cluster)
 
 
 def _human(n: float) -> str:
@@ -114,19 +80,21 @@ def _human(n: float) -> str:
     return f"{n:.0f}"
 
 
+def _header(cfg: TrainConfig, stages: int, steps: int) -> list[str]:
+    rep = count_parameters(cfg.model)
+    return [
+        f"recipe {cfg.recipe}: model {cfg.model.name} ({_human(rep.total)} params, {_human(rep.active)} active), "
+        f"curriculum {cfg.curriculum.name} ({stages} stages, {steps} steps, one {cfg.optim.name} cosine schedule)",
+        f"run_dir {cfg.run_dir}   data: " + ", ".join(f"{s.prefix} (w={s.weight:g})" for s in cfg.data.sources),
+    ]
+
+
 def plan_text(cfg: TrainConfig, world_size: int) -> str:
     """The human-readable plan of a recipe for `world_size` ranks (every stage checked, run or not)."""
     plans = plan_curriculum(cfg, world_size, every_stage=True)
-    rep = count_parameters(cfg.model)
-    n_total = total_steps(plans)
-    lines = [
-        f"recipe {cfg.recipe}: model {cfg.model.name} ({_human(rep.total)} params, {_human(rep.active)} active), "
-        f"curriculum {cfg.curriculum.name} ({len(plans)} stages, {n_total} steps, one {cfg.optim.name} cosine schedule)",
-        f"run_dir {cfg.run_dir}   data: " + ", ".join(f"{s.prefix} (w={s.weight:g})" for s in cfg.data.sources),
-        "",
-        f"{'stage':<10}{'run':<5}{'seq_len':>9}{'tok/step':>10}{'seq/step':>9}{'accum':>7}{'steps':>9}"
-        f"{'start':>9}{'tokens':>9}{'FLOP/tok':>10}  layout",
-    ]
+    lines = [*_header(cfg, len(plans), total_steps(plans)), "",
+             f"{'stage':<10}{'run':<5}{'seq_len':>9}{'tok/step':>10}{'seq/step':>9}{'accum':>7}{'steps':>9}"
+             f"{'start':>9}{'tokens':>9}{'FLOP/tok':>10}  layout"]
     estimates = []
     for p in plans:
         est = estimate_stage(cfg, p)
@@ -136,16 +104,20 @@ def plan_text(cfg: TrainConfig, world_size: int) -> str:
             f"{p.sequences_per_step:>9}{p.grad_accum:>7}{p.steps:>9}{p.start_step:>9}{_human(p.tokens):>9}"
             f"{est.flops_per_token:>10.3g}  {p.layout.describe()}"
         )
-    lines += ["", "memory per GPU (GiB, estimate): state + activations kept for backward under the stage's "
-                  "checkpointing + backward working memory + logits => peak (activations under none | selective | full)"]
+    lines += ["", "memory per GPU (GiB, estimate, heaviest pipeline stage): weights + gradients + optimizer state + "
+                  "FSDP's gradient accumulation + activations kept for backward under the stage's checkpointing + "
+                  "backward working memory + logits + communication buffers => peak (activations under none | "
+                  "selective | full); step time on H200s (moe-lc plan --gpus N to search layouts)"]
     for est in estimates:
-        p = est.stage
-        hours = p.tokens * est.flops_per_token / (H200_BF16_PEAK * PLAN_MFU * p.layout.world_size) / 3600
+        p, m = est.stage, est.memory
         alternatives = " | ".join(f"{v:.1f}" for v in est.by_policy_gib.values())
+        hours = p.steps * est.time.step / 3600
         lines.append(
-            f"  {p.name:<10} state {est.state_gib:7.2f}  act {est.activations_gib:8.2f} ({p.checkpointing.describe()})"
-            f"  bwd {est.backward_gib:6.2f}  logits {est.logits_gib:5.2f}  => {est.total_gib:8.2f}"
-            f"  ({alternatives})   ~{hours:,.1f} h on {p.layout.world_size} H200 at {PLAN_MFU:.0%} MFU"
+            f"  {p.name:<10} weights {m.weights / GiB:.2f}  grads {m.gradients / GiB:.2f}  opt {m.optimizer / GiB:.2f}"
+            f"  accum {m.accumulation / GiB:.2f}  act {m.activations / GiB:.2f} ({p.checkpointing.describe()})"
+            f"  bwd {m.backward / GiB:.2f}  logits {m.logits / GiB:.2f}  buffers {sum(m.buffers.values()) / GiB:.2f}"
+            f"  => {m.total / GiB:.2f}  ({alternatives})   {est.time.step:.1f} s/step (MFU "
+            f"{est.time.mfu(est.cluster):.0%}), ~{hours:,.1f} h on {p.layout.world_size} H200"
         )
     lowered = {p.name: p.layout.lowered_from(p.requested) for p in plans}
     fitted = "; ".join(f"{name} {', '.join(changes)}" for name, changes in lowered.items() if changes)
@@ -154,4 +126,27 @@ def plan_text(cfg: TrainConfig, world_size: int) -> str:
     missing = [f"{p.name}: {', '.join(p.layout.not_implemented())}" for p in plans if p.layout.not_implemented()]
     if missing:
         lines += ["", "not implemented yet in moe_lc.parallel (planned, cannot train): " + "; ".join(missing)]
+    return "\n".join(lines)
+
+
+def recommend_text(cfg: TrainConfig, cluster: Cluster, runners_up: int = 3) -> str:
+    """The recommended layout of every stage of the recipe on ``cluster`` (the recipe's own layout is not used,
+    except for its sequence_parallel and param_dtype)."""
+    facts = facts_of(cfg)
+    stages = cfg.curriculum.stages
+    steps = {name: stage_steps(name, st) for name, st in stages.items()}
+    lines = [*_header(cfg, len(stages), sum(steps.values())), *assumptions(cluster)]
+    hours: Optional[float] = 0.0  # None once a stage has no layout that fits
+    for name, st in stages.items():
+        check_batch_shape(name, st, 1)
+        shape = StageShape(st.seq_len, st.micro_batch, st.global_batch_tokens // st.seq_len)
+        rec = recommend(facts, cfg.optim.name, name, shape, steps[name], cluster, cfg.layout)
+        lines += ["", *recommendation_lines(rec, cluster, runners_up)]
+        if rec.best is None or hours is None:
+            hours = None
+        else:
+            hours += steps[name] * rec.best.time.step / 3600
+    if hours is not None:
+        lines += ["", f"curriculum: {hours:,.1f} h ({hours / 24:,.1f} days) on {cluster.gpus} GPUs with the "
+                      "recommended layouts"]
     return "\n".join(lines)

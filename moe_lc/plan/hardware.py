@@ -1,0 +1,139 @@
+"""The machines the planner prices: a small table of GPUs and inter-node networks, and a cluster.
+
+Every number names its source: "datasheet" (the vendor's published figure), "measured here" (this
+project's own measurement on one H200, docs/performance.md) or "assumed" (a planning choice that
+a measurement should replace). Bandwidths are per GPU and per direction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from moe_lc.config import ConfigError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_gib: float  # datasheet: the marketed size (80 GB, 141 GB), read as GiB of device memory
+    bf16_peak: float  # datasheet: dense bf16 tensor-core FLOP/s (no sparsity)
+    hbm_bandwidth: float  # datasheet: B/s
+    nvlink_bandwidth: float  # datasheet: NVLink 4, 900 GB/s per GPU both directions together
+
+
+H100 = GPU("H100 SXM", 80, 989e12, 3.35e12, 450 * GB)
+H200 = GPU("H200 SXM", 141, 989e12, 4.8e12, 450 * GB)
+GPUS = {"h100": H100, "h200": H200}
+
+
+@dataclass(frozen=True)
+class Network:
+    name: str
+    bandwidth: float  # datasheet: one NIC port per GPU, B/s per direction
+
+
+NETWORKS = {
+    "ib400": Network("InfiniBand NDR 400 Gb/s per GPU", 50 * GB),
+    "ib200": Network("InfiniBand 200 Gb/s per GPU", 25 * GB),
+    "ib800": Network("InfiniBand XDR 800 Gb/s per GPU", 100 * GB),
+}
+
+# Achievable fractions of the peaks above.
+MATMUL_FRACTION_MEASURED = 0.70  # measured here: an 8192^3 bf16 matmul ran at 679-693 TFLOP/s on one H200
+GROUPED_GEMM_FRACTION_MEASURED = 0.35  # measured here: the proxy's grouped expert GEMMs, ~350 TFLOP/s
+# assumed: the whole step's compute (matmuls, attention, the KDA kernels, elementwise work) as a share
+# of the bf16 peak, between the two measured rates above; `moe-lc bench` measures what a stage reaches
+COMPUTE_FRACTION = 0.5
+HBM_FRACTION = 0.88  # measured here: a device copy ran at 4.25 TB/s of the H200's 4.8
+LINK_FRACTION = 0.8  # assumed: what large NCCL collectives reach of a link's bandwidth (NVLink and IB alike)
+
+DEFAULT_MARGIN = 0.10  # assumed: memory kept free for the CUDA context, NCCL and allocator fragmentation
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``gpus`` GPUs of one kind in nodes of ``gpus_per_node``, NVLink inside a node, ``network`` across."""
+
+    gpu: GPU
+    gpus: int
+    gpus_per_node: int
+    network: Network
+    memory_gib: float  # per GPU
+    margin: float = DEFAULT_MARGIN
+    compute_fraction: float = COMPUTE_FRACTION
+
+    @property
+    def usable_gib(self) -> float:
+        """What a layout may plan to use per GPU."""
+        return self.memory_gib * (1 - self.margin)
+
+    @property
+    def flops(self) -> float:
+        """FLOP/s one GPU is assumed to sustain on the step's compute."""
+        return self.gpu.bf16_peak * self.compute_fraction
+
+    @property
+    def hbm(self) -> float:
+        return self.gpu.hbm_bandwidth * HBM_FRACTION
+
+    @property
+    def nvlink(self) -> float:
+        return self.gpu.nvlink_bandwidth * LINK_FRACTION
+
+    @property
+    def inter_node(self) -> float:
+        return self.network.bandwidth * LINK_FRACTION
+
+    def members_per_node(self, size: int, stride: int) -> int:
+        """How many of a group's ``size`` ranks, ``stride`` ranks apart, share one node."""
+        if stride >= self.gpus_per_node:
+            return 1
+        return max(1, min(size, self.gpus_per_node // stride))
+
+    def describe(self) -> str:
+        nodes = -(-self.gpus // self.gpus_per_node)
+        return (f"{self.gpus} x {self.gpu.name} ({nodes} nodes of {self.gpus_per_node}), {self.memory_gib:g} GiB "
+                f"per GPU ({self.usable_gib:.1f} usable at a {self.margin:.0%} margin), NVLink "
+                f"{self.gpu.nvlink_bandwidth / GB:.0f} GB/s, {self.network.name}")
+
+
+@dataclass(frozen=True)
+class ClusterRequest:
+    """What `moe-lc plan --gpus ...` was given, checked by :meth:`resolve`."""
+
+    gpus: int
+    gpu_memory_gib: Optional[float] = None  # None: the GPU's datasheet size
+    gpu: Optional[str] = None  # None: an H100 for 80 GiB or less, else an H200
+    gpus_per_node: int = 8
+    interconnect: str = "ib400"
+    margin: float = DEFAULT_MARGIN
+
+    def resolve(self) -> Cluster:
+        """The cluster, or a ConfigError naming the option and the fix."""
+        if not isinstance(self.gpus, int) or self.gpus < 1:
+            raise ConfigError(f"--gpus {self.gpus}: give the number of GPUs, a positive integer")
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ConfigError(f"--gpus-per-node {self.gpus_per_node}: give a positive integer")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ConfigError(f"--gpus {self.gpus} is not a whole number of {self.gpus_per_node}-GPU nodes; "
+                              f"use a multiple of {self.gpus_per_node} or set --gpus-per-node")
+        if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
+            raise ConfigError(f"--gpu-memory {self.gpu_memory_gib}: give the GiB of one GPU, e.g. 80 or 141")
+        name = self.gpu or ("h100" if (self.gpu_memory_gib or H200.memory_gib) <= H100.memory_gib else "h200")
+        if name not in GPUS:
+            raise ConfigError(f"--gpu {name}: use one of {', '.join(GPUS)}")
+        if self.interconnect not in NETWORKS:
+            raise ConfigError(f"--interconnect {self.interconnect}: use one of {', '.join(NETWORKS)}")
+        if not 0 <= self.margin < 1:
+            raise ConfigError(f"--margin {self.margin}: give the share of memory to keep free, in [0, 1)")
+        gpu = GPUS[name]
+        memory = self.gpu_memory_gib if self.gpu_memory_gib is not None else gpu.memory_gib
+        return Cluster(gpu, self.gpus, self.gpus_per_node, NETWORKS[self.interconnect], memory, self.margin)
+
+
+def default_cluster(world_size: int, gpus_per_node: int) -> Cluster:
+    """H200s on NDR InfiniBand: what the plan of a recipe's own layout prices its time on."""
+    return Cluster(H200, world_size, gpus_per_node, NETWORKS["ib400"], H200.memory_gib)

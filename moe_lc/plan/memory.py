@@ -1,0 +1,269 @@
+"""Memory per GPU of one training step under a layout and a checkpointing policy.
+
+Each pipeline stage is priced on its own and the heaviest one reported; its peak is the larger of
+the forward/backward's and the optimizer step's. Terms (bytes per GPU):
+
+- weights: fp32 master weights. FSDP: dense parameters (tp-split ones divided by tp) sharded over
+  dp_shard x cp, routed experts (divided by ep) over edp; replicated over dp_replicate (HSDP).
+  ZeRO-1: every rank holds its tp/ep slice whole.
+- gradients: fp32, sharded like the weights (FSDP) or whole (ZeRO-1).
+- optimizer: AdamW 8 B per parameter (two fp32 moments); Muon 4 B (its momentum) per Muon matrix
+  and 8 B for the rest (embedding, head, vectors). FSDP: sharded like the weights; ZeRO-1: sharded
+  over every data-parallel rank (dp_replicate x dp_shard x cp; experts dp_replicate x edp).
+- accumulation: with more than one micro-batch per step FSDP skips the reduce-scatter until the
+  last one and keeps every parameter's unsharded gradient in fp32 meanwhile (`reduce_dtype`).
+- activations: what the in-flight micro-batches keep for backward
+  (`moe_lc.parallel.activation_memory`, per layer and policy, tokens split over cp and tp), 1F1B
+  keeping up to ``pp - s`` micro-batches on stage s; under cp the MLA layers that keep their keys
+  and values keep them for the whole row (the gathered latents are up-projected on every rank).
+- backward: the recompute of one checkpointed layer, the KDA backward's buffers, gradients in
+  flight; logits: one chunk of the loss (last stage).
+- buffers: FSDP's all-gathered bf16 parameters (the root's through the step, the largest unit and
+  the next one prefetched) and that unit's unsharded gradients (bf16 and their fp32 copy); under
+  bf16 autocast over fp32 weights (ZeRO-1, one GPU) autocast's cached bf16 copy of every dense
+  weight, alive until the forward ends; the EP
+  dispatch's send and receive rows; the residual stream tensors a pipeline stage receives per
+  in-flight micro-batch and one send buffer; under cp one MLA layer's gathered latents and the
+  whole row's keys and values, and the KDA states' all-gather.
+- optimizer step: the state, Muon's working copy of its largest whole matrix (fp32 gathered update,
+  bf16 iterate) and ZeRO-1's flat all-reduce buffer of the gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointMode
+from moe_lc.parallel.activation_memory import (
+    FP32,
+    GPU_AUTOCAST,
+    ActivationEstimate,
+    GPU_BF16_WEIGHTS,
+    ExecutionPath,
+    backward_working_bytes_per_token,
+    estimate_activations,
+    layer_activations,
+    sources_before_layer,
+)
+from moe_lc.parallel.layout import ParallelLayout
+from moe_lc.plan.model_facts import ModelFacts, PipelineStage, Share
+
+GiB = 1024**3
+LOSS_CHUNK_ELEMENTS = 1 << 28  # MoELCModel.loss_chunk_elements: logits computed (and recomputed) per chunk
+LOSS_BYTES_PER_LOGIT = 2 + 4 + 4  # bf16 logits, their fp32 log-probabilities and gradient, one chunk at a time
+ADAMW_STATE = 8  # two fp32 moments
+MUON_STATE = 4  # one fp32 momentum buffer
+MUON_WORKING_BYTES = FP32 + 2 * 2  # per element of the largest whole matrix: fp32 update, bf16 iterate and result
+
+
+def gpu_execution_path(layout: ParallelLayout) -> ExecutionPath:
+    """How the layers run on GPUs under ``layout``: FSDP with bf16 compute weights, else fp32 weights
+    under bf16 autocast (one process, ZeRO-1, or FSDP with param_dtype float32)."""
+    bf16_weights = layout.world_size > 1 and layout.dp_mode == "fsdp" and layout.param_dtype in ("auto", "bfloat16")
+    return GPU_BF16_WEIGHTS if bf16_weights else GPU_AUTOCAST
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """A resolved layout's degrees as plain integers (the planner reads them many times per layout)."""
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    ep: int
+    edp: int
+    world: int
+    fsdp: bool
+
+    @classmethod
+    def of(cls, layout: ParallelLayout) -> "Degrees":
+        return cls(layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.ep, layout.edp,
+                   layout.world_size, layout.dp_mode == "fsdp")
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """What one curriculum stage's step asks for, whatever the layout."""
+
+    seq_len: int
+    micro_batch: int
+    sequences_per_step: int
+
+    def grad_accum(self, layout: "ParallelLayout | Degrees") -> int:
+        """Micro-batches per step on each data-parallel rank."""
+        return self.sequences_per_step // (self.micro_batch * layout.dp)
+
+    def rank_tokens(self, layout: "ParallelLayout | Degrees") -> int:
+        """Tokens of one micro-batch on one rank (cp splits the rows, sequence parallelism the tp ranks)."""
+        return self.micro_batch * self.seq_len // (layout.cp * layout.tp)
+
+    @property
+    def row_tokens(self) -> int:
+        """Tokens of one micro-batch's rows."""
+        return self.micro_batch * self.seq_len
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes per GPU of the heaviest pipeline stage (see the module docstring for each term)."""
+
+    stage: int
+    weights: float
+    gradients: float
+    optimizer: float
+    accumulation: float
+    activations: float
+    backward: float
+    logits: float
+    buffers: dict[str, float] = field(default_factory=dict)  # fsdp, ep, pp, autocast, cp
+    optimizer_step: float = 0.0  # the optimizer step's peak
+
+    @property
+    def training_peak(self) -> float:
+        return (self.weights + self.gradients + self.optimizer + self.accumulation + self.activations
+                + self.backward + self.logits + sum(self.buffers.values()))
+
+    @property
+    def total(self) -> float:
+        return max(self.training_peak, self.optimizer_step)
+
+
+def _sharded(share: Share, layout: Degrees, over_replicas: bool) -> float:
+    """Parameters of ``share`` per rank after data-parallel sharding (over dp_replicate too for ZeRO-1's state)."""
+    L = layout
+    replicas = L.dp_replicate if over_replicas else 1
+    return share.dense(L.tp) / (L.dp_shard * L.cp * replicas) + share.experts / L.ep / (L.edp * replicas)
+
+
+def optimizer_bytes_per_param(optimizer: str, updated_by_adamw: bool) -> int:
+    """State bytes of one parameter: Muon keeps one buffer for its matrices, AdamW two for the rest."""
+    return ADAMW_STATE if optimizer != "muon" or updated_by_adamw else MUON_STATE
+
+
+class MemoryModel:
+    """The memory of a model's steps for one stage shape; cheap to evaluate for many layouts (the
+    per-layer sums are made once per pipeline split, policy and execution path)."""
+
+    def __init__(self, facts: ModelFacts, shape: StageShape, optimizer: str) -> None:
+        self.facts, self.shape, self.optimizer = facts, shape, optimizer
+        self._per_layer: dict[ExecutionPath, list] = {}
+        self._estimates: dict[tuple, ActivationEstimate] = {}
+        self._kept: dict[tuple, float] = {}
+        self._backward: dict[tuple, float] = {}
+
+    def _layers(self, path: ExecutionPath) -> list:
+        if path not in self._per_layer:
+            self._per_layer[path] = layer_activations(self.facts.cfg, path)
+        return self._per_layer[path]
+
+    def _kept_per_token(self, stage: PipelineStage, policy: ActivationCheckpointing, path: ExecutionPath,
+                        loss_tokens: int) -> float:
+        """Bytes per token the stage's blocks keep for backward under ``policy``."""
+        key = (stage.layers, stage.last, policy.mode, policy.every, path, loss_tokens)
+        if key not in self._kept:
+            per_policy = key[2:]
+            if per_policy not in self._estimates:
+                self._estimates[per_policy] = estimate_activations(self.facts.cfg, policy, loss_tokens, path,
+                                                                   self._layers(path))
+            est = self._estimates[per_policy]
+            kept = sum(est.by_layer[f"layer{i}"] for i in stage.layers)
+            if stage.last:  # embedding, output mixture, loss and MTP (the embedding's stream tensor is small)
+                kept += est.by_layer["other"] + est.by_layer.get("mtp", 0.0)
+            self._kept[key] = kept
+        return self._kept[key]
+
+    def _backward_per_token(self, policy: ActivationCheckpointing, path: ExecutionPath) -> float:
+        key = (policy.mode, policy.every, path)
+        if key not in self._backward:
+            self._backward[key] = backward_working_bytes_per_token(self.facts.cfg, policy, path, self._layers(path))
+        return self._backward[key]
+
+    def __call__(self, layout: ParallelLayout, policy: ActivationCheckpointing) -> MemoryBreakdown:
+        return self.price(layout, (policy,))[0]
+
+    def price(self, layout: ParallelLayout, policies: Sequence[ActivationCheckpointing]) -> list[MemoryBreakdown]:
+        """The heaviest pipeline stage's memory under each of ``policies``."""
+        path, L = gpu_execution_path(layout), Degrees.of(layout)
+        heaviest: list[Optional[MemoryBreakdown]] = [None] * len(policies)
+        for stage in self.facts.pipeline_stages(L.pp):
+            fixed = self._fixed(stage, L, path)
+            for j, policy in enumerate(policies):
+                mem = self._with_policy(fixed, stage, L, policy, path)
+                if heaviest[j] is None or mem.total > heaviest[j].total:
+                    heaviest[j] = mem
+        return heaviest
+
+    def _in_flight(self, stage: PipelineStage, L: Degrees) -> int:
+        """Micro-batches stage s keeps at once under 1F1B: up to pp - s."""
+        return min(L.pp - stage.index, self.shape.grad_accum(L))
+
+    def _fixed(self, stage: PipelineStage, L: Degrees, path: ExecutionPath) -> MemoryBreakdown:
+        """Everything but the activations and the backward's working memory (no policy needed)."""
+        cfg, shape = self.facts.cfg, self.shape
+        params, adamw = stage.params, stage.adamw
+        local = params.local(L.tp, L.ep)
+        fsdp = L.fsdp
+        weights = gradients = FP32 * (_sharded(params, L, over_replicas=False) if fsdp else local)
+        state_share = _sharded(params, L, over_replicas=not fsdp)
+        adamw_share = _sharded(adamw, L, over_replicas=not fsdp)
+        optimizer = (optimizer_bytes_per_param(self.optimizer, False) * (state_share - adamw_share)
+                     + optimizer_bytes_per_param(self.optimizer, True) * adamw_share)
+        accumulation = FP32 * local if fsdp and shape.grad_accum(L) > 1 else 0.0
+        logits = 0.0
+        if stage.last:
+            loss_tokens = shape.row_tokens // L.cp
+            logits = min(loss_tokens * (cfg.padded_vocab_size // L.tp), LOSS_CHUNK_ELEMENTS) * LOSS_BYTES_PER_LOGIT
+
+        tokens = shape.rank_tokens(L)
+        m, k, e = cfg.mla, cfg.kda, cfg.moe
+        buffers = {}
+        gathered = path.stream  # FSDP gathers parameters in their compute dtype
+        grad_copy = FP32 if gathered < FP32 else 0
+        largest_unit = max(stage.largest_dense_unit(L.tp), stage.largest_expert_unit / L.ep)
+        root = stage.root.local(L.tp, L.ep)
+        buffers["fsdp"] = gathered * root + (2 * gathered + gathered + grad_copy) * largest_unit if fsdp else 0.0
+        buffers["ep"] = (2 * tokens * e.top_k * (e.latent_dim or cfg.d_model) * path.act
+                         if L.ep > 1 and stage.moe_blocks else 0.0)
+        buffers["pp"] = 0.0
+        if not stage.first:
+            sources = sources_before_layer(cfg, stage.layers.start)
+            received = self._in_flight(stage, L) + 1  # one set per micro-batch in flight, one send buffer
+            buffers["pp"] = sources * tokens * cfg.d_model * max(path.stream, path.act) * received
+        # bf16 autocast over fp32 weights caches each dense weight's bf16 copy until the forward ends
+        buffers["autocast"] = 2 * params.dense(L.tp) if path.casts else 0.0
+        buffers["cp"] = 0.0
+        if L.cp > 1 and stage.mla_layers:
+            buffers["cp"] += self._row_kv(L, path) + shape.row_tokens * (m.kv_lora_rank + m.qk_rope_dim) * path.act
+        if L.cp > 1 and len(stage.mla_layers) < len(stage.layers):
+            buffers["cp"] += L.cp * 2 * k.num_heads / L.tp * k.head_dim * 2 * k.head_dim * FP32
+
+        muon = MUON_WORKING_BYTES * stage.largest_gathered_matrix if self.optimizer == "muon" else 0.0
+        flat = 0.0 if fsdp else FP32 * max(params.dense(L.tp), params.experts / L.ep)
+        optimizer_step = weights + gradients + optimizer + muon + flat
+        return MemoryBreakdown(stage.index, weights, gradients, optimizer, accumulation, 0.0, 0.0, logits, buffers,
+                               optimizer_step)
+
+    def _row_kv(self, L: Degrees, path: ExecutionPath) -> float:
+        """One MLA layer's keys and values for the whole row, this rank's heads."""
+        m = self.facts.cfg.mla
+        return self.shape.row_tokens * m.num_heads / L.tp * (m.qk_dim + m.v_dim) * path.act
+
+    def _with_policy(self, fixed: MemoryBreakdown, stage: PipelineStage, L: Degrees,
+                     policy: ActivationCheckpointing, path: ExecutionPath) -> MemoryBreakdown:
+        tokens = self.shape.rank_tokens(L)
+        activations = tokens * self._kept_per_token(stage, policy, path, tokens * L.tp)  # the loss sees T / cp
+        if L.cp > 1:  # the whole row's keys and values, kept by each MLA layer that is not fully recomputed
+            recomputed = policy.mode == CheckpointMode.full
+            keeps_kv = sum(1 for i in stage.mla_layers if not (recomputed and policy.checkpoints(i)))
+            activations += keeps_kv * self._row_kv(L, path) * (1 - 1 / L.cp)
+        activations *= self._in_flight(stage, L)
+        backward = tokens * self._backward_per_token(policy, path)
+        return MemoryBreakdown(fixed.stage, fixed.weights, fixed.gradients, fixed.optimizer, fixed.accumulation,
+                               activations, backward, fixed.logits, fixed.buffers, fixed.optimizer_step)

@@ -1,0 +1,356 @@
+"""The layout planner (`moe_lc.plan`, `moe-lc plan RECIPE --gpus N`): its parameter placement against
+the accounting, its memory and time models against hand computations from their documented
+formulas, and its search on K3's curriculum at cluster scale."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from torch import nn
+
+from moe_lc.cli import main as cli_main
+from moe_lc.model.accounting import (
+    count_parameters,
+    layer_training_flops_per_token,
+    mtp_training_flops_per_token,
+    training_flops_per_token,
+)
+from moe_lc.model.init import build_model
+from moe_lc.model.moe import RoutedExperts
+from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing
+from moe_lc.parallel.activation_memory import GPU_AUTOCAST, GPU_BF16_WEIGHTS, estimate_activations, layer_activations
+from moe_lc.parallel.layout import ParallelLayout
+from moe_lc.plan.hardware import ClusterRequest
+from moe_lc.plan.memory import MemoryModel, StageShape, gpu_execution_path
+from moe_lc.plan.model_facts import model_facts
+from moe_lc.plan.search import EP_MAX_NODES, MIN_CP_TOKENS, candidate_layouts, recommend
+from moe_lc.plan.step_time import TimeModel
+from moe_lc.presets import get_preset
+from moe_lc.train.recipes import compose_recipe
+from tests.configs import preset_with
+
+# The documented hardware (docs/parallelism.md, "Planning a layout"), written out here so that a
+# changed constant in moe_lc/plan/hardware.py fails the hand computations below.
+PEAK, COMPUTE = 989e12, 0.5
+NVLINK, IB, LINKS = 450e9, 50e9, 0.8
+HBM, HBM_SHARE = 4.8e12, 0.88
+REL = 1e-12  # float64 sums of a few dozen terms
+
+K3_STAGES = {"ctx8k": 8192, "ctx64k": 65536, "ctx256k": 262144, "ctx1m": 1 << 20}
+K3_TOKENS_PER_STEP = 33554432
+
+
+def layout(world: int, **degrees) -> ParallelLayout:
+    return ParallelLayout(world_size=world, **{"dp_shard": -1, **degrees}).resolve(world)
+
+
+def one_node(gpus: int = 8):
+    return ClusterRequest(gpus, gpu="h200").resolve()
+
+
+# -- the model as the engine places it ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("cfg", [preset_with("tiny", mtp=True), get_preset("proxy"), get_preset("k3")],
+                         ids=["tiny+mtp", "proxy", "k3"])
+def test_facts_count_every_parameter_once_as_the_accounting_does(cfg):
+    facts = model_facts(cfg)
+    rep = count_parameters(cfg)
+    e = cfg.moe
+    mtp_experts = e.num_routed * 3 * (e.latent_dim or cfg.d_model) * e.expert_hidden if cfg.mtp else 0
+    assert facts.total.total == rep.total
+    assert facts.total.experts == rep.by_component["moe_routed_experts"] + mtp_experts
+    assert facts.embedding.params.total == rep.by_component["embedding"]
+    assert facts.output.params.split == rep.by_component["lm_head"]  # split over tp by vocabulary rows
+
+
+def test_pipeline_stages_split_the_trunk_evenly_with_the_ends_on_the_first_and_last():
+    facts = model_facts(get_preset("k3"))
+    for pp in (1, 2, 16, 93):
+        stages = facts.pipeline_stages(pp)
+        layers = [i for s in stages for i in s.layers]
+        assert layers == list(range(93))
+        sizes = [len(s.layers) for s in stages]
+        assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+        assert facts.embedding in stages[0].blocks and facts.output in stages[-1].blocks
+        assert facts.mtp in stages[-1].blocks
+        assert sum(s.params.total for s in stages) == facts.total.total
+        assert sum(len(s.mla_layers) for s in stages) == get_preset("k3").pattern.count("M")
+
+
+def test_per_layer_flops_add_up_to_the_model_flops_and_mla_grows_with_context():
+    cfg = get_preset("k3")
+    for seq_len in (8192, 1 << 20):
+        layers = layer_training_flops_per_token(cfg, seq_len)
+        head = 6 * cfg.padded_vocab_size * cfg.d_model
+        assert sum(layers) + head == pytest.approx(training_flops_per_token(cfg, seq_len), rel=REL)
+    short, long = layer_training_flops_per_token(cfg, 8192), layer_training_flops_per_token(cfg, 1 << 20)
+    mla = cfg.pattern.index("M")
+    m = cfg.mla
+    assert long[mla] - short[mla] == pytest.approx(3 * 2 * m.num_heads * (m.qk_dim + m.v_dim) * ((1 << 20) - 8192) / 2)
+    assert long[0] == short[0]  # KDA: linear in the context
+    # MTP: its projection, one MLA layer with its MoE, the shared LM head; forward + backward
+    assert mtp_training_flops_per_token(cfg, 8192) > short[mla] + 6 * cfg.padded_vocab_size * cfg.d_model
+    assert mtp_training_flops_per_token(get_preset("proxy"), 8192) == 0.0
+
+
+# -- memory ---------------------------------------------------------------------------------------
+
+
+def _adamw_params(cfg) -> int:
+    """What AdamW updates under Muon (docs/training.md): the embedding, the LM head, and every parameter
+    that is not a linear layer's weight or a routed-expert stack."""
+    model = build_model(cfg, device="meta")
+    total = 0
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            muon = (isinstance(module, nn.Linear) and pname == "weight" and not name.endswith("lm_head")) or \
+                isinstance(module, RoutedExperts)
+            total += 0 if muon else p.numel()
+    return total
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_fsdp_state_is_sharded_over_every_rank_and_accumulation_keeps_unsharded_fp32_gradients(optimizer):
+    cfg = preset_with("proxy", mtp=True)
+    P, N = count_parameters(cfg).total, 8
+    A = _adamw_params(cfg)
+    policy = ActivationCheckpointing("none")
+    for sequences, accumulating in ((8, False), (64, True)):
+        mem = MemoryModel(model_facts(cfg), StageShape(4096, 1, sequences), optimizer)(layout(N), policy)
+        assert mem.weights == pytest.approx(4 * P / N, rel=REL) and mem.gradients == mem.weights
+        state = 8 * P / N if optimizer == "adamw" else 4 * (P - A) / N + 8 * A / N
+        assert mem.optimizer == pytest.approx(state, rel=REL)
+        assert mem.accumulation == pytest.approx(4 * P * accumulating, rel=REL)
+
+
+def test_zero1_holds_weights_and_gradients_whole_and_shards_the_optimizer_state():
+    cfg = get_preset("proxy")
+    P, N = count_parameters(cfg).total, 8
+    experts = count_parameters(cfg).by_component["moe_routed_experts"]
+    mem = MemoryModel(model_facts(cfg), StageShape(4096, 1, 64), "adamw")(
+        layout(N, dp_mode="zero1"), ActivationCheckpointing("full"))
+    assert mem.weights == mem.gradients == pytest.approx(4 * P, rel=REL)
+    assert mem.optimizer == pytest.approx(8 * P / N, rel=REL) and mem.accumulation == 0
+    assert mem.buffers["fsdp"] == 0 and mem.buffers["autocast"] == pytest.approx(2 * (P - experts), rel=REL)
+    assert mem.optimizer_step >= mem.weights + mem.gradients + mem.optimizer + 4 * (P - experts)  # the flat buffer
+
+
+def test_activations_are_the_per_layer_count_times_tokens_and_1f1b_keeps_pp_micro_batches_on_the_first_stage():
+    cfg = get_preset("proxy")
+    facts, policy = model_facts(cfg), ActivationCheckpointing("selective")
+    seq = 8192
+    one = MemoryModel(facts, StageShape(seq, 1, 8), "adamw")(layout(8), policy)
+    est = estimate_activations(cfg, policy, seq, GPU_BF16_WEIGHTS, layer_activations(cfg, GPU_BF16_WEIGHTS))
+    assert one.activations == pytest.approx(seq * est.per_token, rel=REL)
+
+    L = layout(8, pp=4, tp=2)  # one data-parallel rank: 32 micro-batches, 4 of them in flight on stage 0
+    first = MemoryModel(facts, StageShape(seq, 1, 32), "adamw")(L, policy)
+    assert first.stage == 0  # 3 of the 9 layers x 4 micro-batches outweigh 2 layers x 1 and the loss
+    tokens = seq // 2  # sequence parallelism
+    assert first.activations == pytest.approx(4 * tokens * sum(est.by_layer[f"layer{i}"] for i in range(3)),
+                                              rel=REL)
+
+
+def test_context_parallel_mla_keeps_the_whole_rows_keys_and_values_unless_fully_recomputed():
+    cfg = get_preset("proxy")
+    m, seq, cp = cfg.mla, 65536, 4
+    mm = MemoryModel(model_facts(cfg), StageShape(seq, 1, 2), "adamw")
+    L = layout(8, cp=cp)
+    path = GPU_BF16_WEIGHTS
+    for mode, kept_layers in (("none", cfg.pattern.count("M")), ("full", 0)):
+        policy = ActivationCheckpointing(mode)
+        est = estimate_activations(cfg, policy, seq // cp, path, layer_activations(cfg, path))
+        row_kv = seq * m.num_heads * (m.qk_dim + m.v_dim) * path.act
+        expected = seq // cp * est.per_token + kept_layers * row_kv * (1 - 1 / cp)
+        assert mm(L, policy).activations == pytest.approx(expected, rel=REL)
+    assert mm(L, ActivationCheckpointing("full")).buffers["cp"] > 0
+
+
+def test_the_execution_path_follows_the_data_parallel_mode():
+    assert gpu_execution_path(layout(8)) == GPU_BF16_WEIGHTS
+    assert gpu_execution_path(layout(8, dp_mode="zero1")) == GPU_AUTOCAST
+    assert gpu_execution_path(layout(1)) == GPU_AUTOCAST
+
+
+# -- time -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seq,sequences,exposed", [(8192, 64, False), (256, 8, True)])
+def test_step_time_of_fsdp_on_one_node_is_compute_plus_exposed_gathers_sync_and_optimizer(seq, sequences, exposed):
+    """step = m (t_c + max(0, t_ag - t_c)) + max(0, t_rs - 2/3 t_c) + t_opt, by hand; short rows leave the
+    parameters' all-gathers and the gradients' reduce-scatter longer than the compute that hides them."""
+    cfg = preset_with("proxy", mtp=True)
+    P, N = count_parameters(cfg).total, 8
+    m = sequences // N
+    flops = training_flops_per_token(cfg, seq) + mtp_training_flops_per_token(cfg, seq)
+    t_c = seq * flops / (PEAK * COMPUTE)
+    t_ag = 2 * (N - 1) / N * P * 2 / (NVLINK * LINKS)  # forward and backward, bf16
+    t_rs = (N - 1) / N * P * 4 / (NVLINK * LINKS)  # fp32 gradients, once
+    t_opt = 28 * P / N / (HBM * HBM_SHARE)  # AdamW reads 16 B and writes 12 B per parameter of the shard
+    expected = m * (t_c + max(0.0, t_ag - t_c)) + max(0.0, t_rs - 2 / 3 * t_c) + t_opt
+    t = TimeModel(model_facts(cfg), StageShape(seq, 1, sequences), one_node(N), "adamw")(
+        layout(N), ActivationCheckpointing("none"))
+    assert t.step == pytest.approx(expected, rel=REL)
+    assert (t.fsdp > 0 and t.dp_sync > 0) == exposed
+    assert t.compute == pytest.approx(m * t_c, rel=REL) and t.tp == t.ep == t.cp == t.pp == t.bubble == 0
+    assert t.mfu(one_node(N)) == pytest.approx(sequences * seq * training_flops_per_token(cfg, seq)
+                                               / (t.step * N * PEAK), rel=REL)
+
+
+def test_zero1_sync_is_the_gradient_all_reduce_and_the_parameter_broadcast_exposed():
+    cfg = get_preset("proxy")
+    P, N = count_parameters(cfg).total, 8
+    t = TimeModel(model_facts(cfg), StageShape(8192, 1, 64), one_node(N), "adamw")(
+        layout(N, dp_mode="zero1"), ActivationCheckpointing("none"))
+    ring = (N - 1) / N * 4 * P / (NVLINK * LINKS)  # fp32 gradients and fp32 updated parameters
+    assert t.dp_sync == pytest.approx(2 * ring + ring, rel=REL) and t.fsdp == 0
+
+
+def test_context_parallel_time_is_the_mla_latents_and_kda_states_all_gathers():
+    cfg = get_preset("proxy")
+    N, cp, seq = 8, 4, 65536
+    m, k = cfg.mla, cfg.kda
+    latents = (cp - 1) / cp * seq * (m.kv_lora_rank + m.qk_rope_dim) * 2 / (NVLINK * LINKS)
+    states = (cp - 1) / cp * cp * 2 * k.num_heads * k.head_dim * 2 * k.head_dim * 4 / (NVLINK * LINKS)
+    passes = 2  # the all-gather forward, its reduce-scatter backward
+    t = TimeModel(model_facts(cfg), StageShape(seq, 1, 2), one_node(N), "adamw")(
+        layout(N, cp=cp), ActivationCheckpointing("none"))
+    expected = passes * (cfg.pattern.count("M") * latents + cfg.pattern.count("K") * states)
+    assert t.cp == pytest.approx(expected, rel=REL)
+
+
+def _newton_schulz(rows: int, cols: int, steps: int = 5) -> float:
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * (2 * m * m * n + 2 * m * m * m + 2 * m * m * n)  # X X^T, its square, times X
+
+
+def test_muon_optimizer_step_is_its_state_traffic_and_newton_schulz_on_every_matrix():
+    cfg = get_preset("proxy")
+    model = build_model(cfg, device="meta")
+    flops = 0.0
+    for name, module in model.named_modules():
+        if isinstance(module, RoutedExperts):
+            flops += sum(p.shape[0] * _newton_schulz(*p.shape[1:]) for p in module.parameters())
+        elif isinstance(module, nn.Linear) and not name.endswith("lm_head"):
+            flops += _newton_schulz(*module.weight.shape)
+    P, A = count_parameters(cfg).total, _adamw_params(cfg)
+    hbm = 20 * (P - A) + 28 * A  # Muon reads weight, gradient, momentum and writes two; AdamW 16 + 12
+    facts = model_facts(cfg, muon_per_head=False)  # every matrix whole: one rank orthogonalises them all
+    t = TimeModel(facts, StageShape(8192, 1, 8), one_node(1), "muon")(layout(1), ActivationCheckpointing("none"))
+    assert t.optimizer == pytest.approx(hbm / (HBM * HBM_SHARE) + flops / (PEAK * COMPUTE), rel=REL)
+
+
+def test_tensor_parallel_time_counts_two_collectives_per_region_and_pass():
+    cfg = get_preset("proxy")
+    N, tp, seq, sequences = 8, 2, 8192, 64
+    m = sequences // (N // tp)
+    regions = sum(1 + (cfg.is_dense_layer(i) or cfg.moe.num_shared > 0) for i in range(cfg.num_layers))
+    one = (tp - 1) / tp * seq * cfg.d_model * 2 / (NVLINK * LINKS)
+    model = TimeModel(model_facts(cfg), StageShape(seq, 1, sequences), one_node(N), "adamw")
+    none = model(layout(N, tp=tp), ActivationCheckpointing("none"))
+    # an all-gather and a reduce-scatter per region and pass (forward, backward); embedding and head 2 each
+    assert none.tp == pytest.approx(m * (2 * 2 * regions + 4) * one, rel=REL)
+    full = model(layout(N, tp=tp), ActivationCheckpointing("full"))  # the recompute's forward again
+    assert full.tp - none.tp == pytest.approx(m * 2 * regions * one, rel=REL)
+    recompute = seq / tp * sum(layer_training_flops_per_token(cfg, seq)) / 3 / (PEAK * COMPUTE)
+    assert full.recompute == pytest.approx(m * recompute, rel=REL)
+    assert full.compute - none.compute == pytest.approx(m * recompute, rel=REL)
+
+
+def test_expert_all_to_all_across_nodes_is_bound_by_the_network_share_of_its_peers():
+    cfg = get_preset("proxy")
+    N, ep, seq, sequences = 16, 16, 8192, 64
+    m = sequences // N
+    e = cfg.moe
+    rows = seq * e.top_k * e.latent_dim * 2  # bytes a rank sends per all-to-all
+    one = max(7 / 16 * rows / (NVLINK * LINKS), 8 / 16 * rows / (IB * LINKS))  # 7 peers in its node, 8 outside
+    moe_layers = sum(not cfg.is_dense_layer(i) for i in range(cfg.num_layers))
+    t = TimeModel(model_facts(cfg), StageShape(seq, 1, sequences), ClusterRequest(N, gpu="h200").resolve(),
+                  "adamw")(layout(N, ep=ep), ActivationCheckpointing("none"))
+    assert t.ep == pytest.approx(m * moe_layers * 2 * 2 * one, rel=REL)  # dispatch + combine, forward + backward
+
+
+def test_pipeline_step_is_micro_batches_plus_bubble_of_the_slowest_stage():
+    cfg = get_preset("proxy")
+    N, pp, seq, sequences = 8, 2, 8192, 16
+    m = sequences // (N // pp)
+    layers = layer_training_flops_per_token(cfg, seq)
+    half = math.ceil(cfg.num_layers / 2)
+    head = training_flops_per_token(cfg, seq) - sum(layers)
+    slowest = max(sum(layers[:half]), sum(layers[half:]) + head) * seq / (PEAK * COMPUTE)
+    t = TimeModel(model_facts(cfg), StageShape(seq, 1, sequences), one_node(N), "adamw")(
+        layout(N, pp=pp), ActivationCheckpointing("none"))
+    assert t.compute == pytest.approx(m * slowest, rel=REL)
+    micro = (t.step - t.dp_sync - t.optimizer) / (m + pp - 1)
+    assert t.bubble == pytest.approx((pp - 1) * micro, rel=REL) and micro >= slowest
+
+
+# -- the search -----------------------------------------------------------------------------------
+
+
+def _k3_recommendation(stage: str, gpus: int, memory: float):
+    cfg = compose_recipe("k3-8k")
+    shape = StageShape(K3_STAGES[stage], 1, K3_TOKENS_PER_STEP // K3_STAGES[stage])
+    cluster = ClusterRequest(gpus, memory).resolve()
+    return recommend(model_facts(cfg.model), "muon", stage, shape, 1, cluster, cfg.layout), cluster
+
+
+@pytest.mark.parametrize("stage,gpus,memory", [
+    *((s, 1024, 141) for s in K3_STAGES),
+    ("ctx8k", 1024, 80), ("ctx64k", 1024, 80), ("ctx256k", 1024, 80), ("ctx1m", 4096, 80),
+])
+def test_every_k3_stage_gets_a_layout_that_validates_fits_and_is_the_fastest_that_fits(stage, gpus, memory):
+    rec, cluster = _k3_recommendation(stage, gpus, memory)
+    best = rec.best
+    assert best is not None, f"{stage} on {gpus} x {memory} GiB: nothing fits"
+    best.layout.validate(get_preset("k3"), K3_STAGES[stage], runnable=False)
+    assert best.layout.world_size == gpus and best.memory.total <= cluster.usable_gib * 2**30
+    assert all(c.time.step >= best.time.step for c in rec.fitting)
+    assert all(c.time.step < best.time.step and not c.fits(cluster) for c in rec.faster_rejected)
+
+
+def test_k3_at_one_million_tokens_does_not_fit_1024_gpus_of_80_gib_and_says_what_comes_closest():
+    rec, cluster = _k3_recommendation("ctx1m", 1024, 80)
+    assert rec.best is None and rec.smallest is not None
+    assert rec.smallest.memory.total > cluster.usable_gib * 2**30
+
+
+def test_candidates_follow_the_search_rules():
+    cfg = get_preset("k3")
+    cluster = ClusterRequest(1024, 141).resolve()
+    for seq in (8192, 1 << 20):
+        shape = StageShape(seq, 1, K3_TOKENS_PER_STEP // seq)
+        layouts = candidate_layouts(model_facts(cfg), shape, cluster)
+        assert layouts and len(set(map(str, layouts))) == len(layouts)
+        for L in layouts:
+            assert L.tp <= cluster.gpus_per_node and L.ep <= EP_MAX_NODES * cluster.gpus_per_node
+            assert L.cp == 1 or seq >= L.cp * MIN_CP_TOKENS
+            assert shape.sequences_per_step % L.dp == 0 and L.world_size == 1024
+        assert max(L.cp for L in layouts) == (1 if seq == 8192 else 128)
+
+
+def test_cli_plans_a_cluster_and_marks_what_cannot_run_yet(capsys):
+    argv = ["plan", "smoke", "curriculum.stages.ctx256.micro_batch=2", "--gpus", "8", "--gpu-memory", "80",
+            "--runners-up", "1"]
+    assert cli_main(argv) == 0  # options may follow the overrides
+    out = capsys.readouterr().out
+    assert "8 x H100 SXM (1 nodes of 8), 80 GiB per GPU" in out
+    assert out.count("  best ") == 4 and "micro_batch 2" in out
+    assert "curriculum:" in out
+    assert cli_main(["plan", "smoke", "--gpus", "8", "--gpu", "h200", "--runners-up", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "141 GiB per GPU" in out and "[not runnable yet: pp]" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpus", "12"], "--gpus 12 is not a whole number of 8-GPU nodes"),
+    (["--gpus", "0"], "--gpus 0: give the number of GPUs"),
+    (["--gpu-memory", "80"], "--gpu-memory describe a cluster to plan for; give its size with --gpus N"),
+    (["--gpus", "8", "--margin", "1.5"], "--margin 1.5"),
+])
+def test_cli_rejects_bad_cluster_options_in_one_line(capsys, argv, message):
+    assert cli_main(["plan", "smoke", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
