@@ -5,9 +5,10 @@ and must end with bitwise the losses of an uninterrupted run.
     python scripts/kill_loop.py --count 10            # the full check (several minutes on a CPU)
     python scripts/kill_loop.py --count 2 --json out.json
 
-CPU, gloo, the tiny model on short ctx256 steps, a checkpoint after every step. Each kill waits
-until the (re)started job has logged a step, then hits a random rank either after a random
-delay or while a checkpoint is being written (a save's temp directory exists), alternately.
+CPU, gloo, the tiny model on 4 + 3 x count short ctx256 steps, a checkpoint after every step. Each kill waits
+until the (re)started job has logged a step and then a random 0-4 s, and hits a random rank
+then or (every other kill) at the next moment a checkpoint is being written (a save's temp
+directory exists).
 Prints, per kill, the step logged before it, the step the next launch resumed from and the
 steps lost (redone); exit code 0 when every step's loss and gradient norm equal the
 uninterrupted run's bitwise, 1 otherwise.
@@ -27,11 +28,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-STEPS = 8
 TRAIN = [
     "layout=dp2",
     "curriculum.run=[ctx256]",
-    f"curriculum.stages.ctx256.steps={STEPS}",
     "curriculum.stages.ctx256.global_batch_tokens=512",
     "curriculum.stages.ctx256.micro_batch=1",
     "checkpoint.every=1",
@@ -47,9 +46,15 @@ TRAIN = [
 LAUNCH_TIMEOUT_S = 900
 
 
-def torchrun(run_dir: Path, max_restarts: int) -> list[str]:
+def steps_for(count: int) -> int:
+    """Enough steps that every kill finds the job still training (a kill costs a step or so)."""
+    return 4 + 3 * count
+
+
+def torchrun(run_dir: Path, max_restarts: int, steps: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "--max-restarts", str(max_restarts), "-m", "moe_lc.train", *TRAIN, f"run_dir={run_dir}"]
+            "--max-restarts", str(max_restarts), "-m", "moe_lc.train", *TRAIN,
+            f"curriculum.stages.ctx256.steps={steps}", f"run_dir={run_dir}"]
 
 
 def environment(cache: Path) -> dict[str, str]:
@@ -115,13 +120,14 @@ def kill_loop(count: int, seed: int, workdir: Path, cache: Path) -> dict:
     env = environment(cache)
     reference_dir, killed_dir = workdir / "reference", workdir / "killed"
     t0 = time.monotonic()
-    subprocess.run(torchrun(reference_dir, 0), env=env, check=True, timeout=LAUNCH_TIMEOUT_S,
+    subprocess.run(torchrun(reference_dir, 0, steps_for(count)), env=env, check=True, timeout=LAUNCH_TIMEOUT_S,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     reference_s = time.monotonic() - t0
     reference = last_records(reference_dir)
 
-    proc = subprocess.Popen(torchrun(killed_dir, count + 2), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    killed_dir.mkdir(parents=True, exist_ok=True)
+    output = (workdir / "torchrun.log").open("w")  # every launch's console and torchrun's own lines
+    proc = subprocess.Popen(torchrun(killed_dir, count + 2, steps_for(count)), env=env, stdout=output, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     kills: list[dict] = []
     try:
@@ -132,12 +138,9 @@ def kill_loop(count: int, seed: int, workdir: Path, cache: Path) -> dict:
             logged = metric_lines(killed_dir)
             if not wait_for(lambda: metric_lines(killed_dir) > logged, proc, deadline):
                 break
-            during_save = i % 2 == 1
-            if during_save:
-                if not wait_for(lambda: saving(killed_dir), proc, deadline, poll=0.002):
-                    break
-            else:
-                time.sleep(rng.uniform(0.0, 2.0))
+            time.sleep(rng.uniform(0.0, 4.0))
+            if i % 2 == 1 and not wait_for(lambda: saving(killed_dir), proc, deadline, poll=0.002):
+                break
             pids = workers(proc.pid)
             if not pids or proc.poll() is not None:
                 break
@@ -145,12 +148,13 @@ def kill_loop(count: int, seed: int, workdir: Path, cache: Path) -> dict:
             step = max(last_records(killed_dir), default=0)
             in_save = saving(killed_dir)
             os.kill(pids[rank], signal.SIGKILL)
-            kills.append({"rank": rank, "step_logged": step, "during_save": in_save})
+            kills.append({"rank": rank, "step_logged": step, "during_save": in_save, "at_s": time.monotonic() - t0})
         rc = proc.wait(timeout=max(deadline - time.monotonic(), 1))
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        output.close()
     got = last_records(killed_dir)
     resumed = [_resumed_step(line) for line in launches(killed_dir)[1:]]
     for kill, step in zip(kills, resumed):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
@@ -97,6 +98,23 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
 
 
+def elastic_attempt_store(world_size: int, timeout: timedelta) -> Optional[dist.Store]:
+    """Under `torchrun --max-restarts`, the store of this attempt: torchrun's store, shared by every
+    attempt, under a prefix of its own.
+
+    torchrun keeps one store for all attempts, so the keys a process group publishes (each
+    rank's address) are still there, stale, when the restarted ranks look for their peers;
+    a rank that reads a dead peer's address fails ("Connection refused"), and every restart
+    after it may too. None outside torchelastic (torch's env:// rendezvous then).
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0), world_size, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"moe_lc/attempt_{attempt}", store)
+
+
 def init_runtime(
     device: str = "auto",
     precision: str = "auto",
@@ -122,7 +140,12 @@ def init_runtime(
     if world > 1 and not dist.is_initialized():
         timeout = collective_timeouts(distributed.collective_timeout_s, distributed.flight_recorder_entries,
                                       flight_recorder_dir)
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", timeout=timeout)
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        store = elastic_attempt_store(world, timeout)
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
         started = True
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
