@@ -145,11 +145,12 @@ class RunLock:
             holder, age = found
             why = _stale_because(holder, age, stale_after_s, force)
             if why is None:
+                gone = ("if that trainer is gone (its host died), pass run_lock.force=true or wait until the lock "
+                        f"is {stale_after_s:.0f}s old (run_lock.stale_after_s)" if holder.host != socket.gethostname()
+                        else "if that process is not a trainer of this run, pass run_lock.force=true")
                 raise RunLockHeld(
                     f"run_dir {run_dir} is in use by another trainer ({holder.describe(age)}); wait for it "
-                    f"to finish or stop it, or train into another run_dir=...; if that trainer is gone "
-                    f"(its host died), pass run_lock.force=true, or wait until the lock is "
-                    f"{stale_after_s:.0f}s old (run_lock.stale_after_s)"
+                    f"to finish or stop it, or train into another run_dir=...; {gone}"
                 )
             if _set_aside(path, holder, me):
                 warn(f"took over the run lock of {run_dir} from {holder.describe(age)}: {why}")

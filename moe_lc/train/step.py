@@ -18,7 +18,10 @@ the gradient norm and the routing statistics are device tensors, and the ranks' 
 travel in a queued all-reduce.
 
 A step whose global loss or gradient norm is not finite is skipped on every rank: no optimizer
-update, the expert biases kept (`moe_lc.train.bad_steps`); its result says so.
+update, the expert biases kept (`moe_lc.train.bad_steps`); its result says so. A fused AdamW
+skips on the device; any other optimizer reads that decision back first (a second read). The
+stop-request all-reduce also carries each rank's own time of the step before (its batch wait
+and optimizer update), for the straggler report (`moe_lc.train.health`).
 """
 
 from __future__ import annotations
