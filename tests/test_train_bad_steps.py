@@ -19,13 +19,19 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import moe_lc.train.step as step_module
 from moe_lc.data.packing import IGNORE_INDEX, Sample, collate
+from moe_lc.model.transformer import MoELCModel
 from moe_lc.optim import OptimConfig
 from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.presets import get_preset
 from moe_lc.train.bad_steps import SpikeDetector, step_if_finite
 from moe_lc.train.main import run_train_cli
+from moe_lc.train.model_setup import build_model_state
+from moe_lc.train.runtime import Runtime
+from moe_lc.train.step import train_step
 from parallel_harness import run_distributed
 
 FOUR_STEPS = [
@@ -89,12 +95,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _three_steps(leave_out_step_1: bool) -> dict:
     """Steps 0..2 on 2 ZeRO-1 ranks; step 1 gets a NaN gradient on rank 1, or is left out."""
-    import torch.distributed as dist
-
-    from moe_lc.train.model_setup import build_model_state
-    from moe_lc.train.runtime import Runtime
-    from moe_lc.train.step import train_step
-
     rank = dist.get_rank()
     runtime = Runtime(rank, 2, rank, torch.device("cpu"), torch.float32, False, 60.0)
     cfg, optim = get_preset("tiny"), OptimConfig(lr=1e-3)
@@ -138,8 +138,6 @@ def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank():
 @pytest.fixture
 def nan_loss_at(monkeypatch):
     """Make the LM loss NaN in the forward passes of the given (1-based) steps (one micro-batch per step)."""
-    from moe_lc.model.transformer import MoELCModel
-
     real_forward, calls = MoELCModel.forward, []
 
     def install(steps: set[int]) -> None:
@@ -182,8 +180,6 @@ def test_too_many_skipped_steps_in_a_row_stop_the_run_with_one_line(tmp_path, ca
 
 @pytest.mark.usefixtures("shared_corpus_cache")
 def test_a_state_that_is_not_finite_is_never_checkpointed(tmp_path, capsys, monkeypatch):
-    import moe_lc.train.step as step_module
-
     real_step = step_module.train_step
 
     def poisoning_step(state, micro, step, *args, **kwargs):
@@ -226,8 +222,6 @@ def test_a_spike_is_a_loss_above_mean_plus_k_std_of_a_full_window():
 
 @pytest.mark.usefixtures("shared_corpus_cache")
 def test_a_loss_spike_rolls_back_and_skips_the_spiking_batch(tmp_path, monkeypatch):
-    import moe_lc.train.step as step_module
-
     real_step, seen = step_module.train_step, []
 
     def spiking_step(state, micro, step, *args, **kwargs):

@@ -17,6 +17,7 @@ from typing import Optional
 
 import pytest
 
+import moe_lc.train.trainer as trainer_module
 from moe_lc.train.main import run_train_cli
 from moe_lc.train.runlock import LOCK_FILE, LockHolder, RunLock, RunLockHeld, RunLockLost, process_start_ticks
 
@@ -73,8 +74,6 @@ def test_a_second_trainer_on_a_held_run_dir_refuses_at_start_and_writes_nothing(
 
 
 def test_a_running_trainer_holds_the_lock_and_releases_it(tmp_path, capsys, monkeypatch):
-    import moe_lc.train.trainer as trainer_module
-
     run_dir, seen = tmp_path / "run", {}
     real_run = trainer_module.Trainer.run
 
