@@ -8,8 +8,9 @@ step times are the same on every rank and cannot single one out. What differs is
 own work, done without waiting for the others: the time it waited for its batches (the data
 thread) and its optimizer update (CUDA events on a GPU). Each step's end-of-step all-reduce
 carries every rank's own time of the step before (no extra collective); every
-`straggler_every` steps the means are compared, and a rank over `straggler_ratio` x the
-median (and more than MIN_EXCESS_S above it) is reported by name.
+`straggler_every` steps the means are compared, and the slowest rank is reported by name when it
+is over `straggler_ratio` x the median of the other ranks (and more than MIN_EXCESS_S above it;
+the others', so that with two ranks the straggler does not set its own bar).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Heartbeat:
 
 
 class StragglerWatch:
-    """Sums each rank's own time per step; `check` names a rank far above the median."""
+    """Sums each rank's own time per step; `add` names a rank far above the others' median."""
 
     def __init__(self, every: int, ratio: float, world_size: int) -> None:
         self.every = every
@@ -63,11 +64,12 @@ class StragglerWatch:
             return None
         means = [s / self._steps for s in self._sums]
         self._sums, self._steps = [0.0] * self.world_size, 0
-        median = statistics.median(means)
         slowest = max(range(self.world_size), key=lambda r: means[r])
         worst = means[slowest]
+        median = statistics.median(m for r, m in enumerate(means) if r != slowest)
         if worst - median < MIN_EXCESS_S or worst < self.ratio * median:
             return None
         return (f"straggler: rank {slowest} spent {worst:.3f}s per step on its own work (waiting for its batches, "
                 f"its optimizer update) over the {self.every} steps to step {step}, {worst / max(median, 1e-9):.1f}x "
-                f"the median {median:.3f}s of {self.world_size} ranks (distributed.straggler_ratio={self.ratio:g})")
+                f"the median {median:.3f}s of the other {self.world_size - 1} ranks "
+                f"(distributed.straggler_ratio={self.ratio:g})")
