@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-from moe_lc.config import ModelConfig
+from moe_lc.config import ConfigError, ModelConfig
 from moe_lc.optim import OptimConfig
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing
 from moe_lc.parallel.layout import ParallelLayout
@@ -27,6 +27,11 @@ from moe_lc.parallel.layout import ParallelLayout
 # Data-source prefixes that name built-in data instead of a `.bin`/`.idx` path.
 DEFAULT_CORPUS = "@default"  # the embedded default corpus (Python standard library sources)
 SYNTHETIC_PREFIX = "@"  # "@passkey", "@associative_recall": generated at the stage's seq_len
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
 
 
 @dataclass
@@ -111,6 +116,53 @@ class ReportConfig:
 
 
 @dataclass
+class RunLockConfig:
+    """One trainer per run_dir (moe_lc/train/runlock.py): who may take over a lock that is held."""
+
+    stale_after_s: float = 600.0  # a lock from another host untouched this long is stale (holders touch it every 60 s)
+    force: bool = False  # take the lock whatever holds it (its holder is known to be gone)
+
+    def check(self) -> None:
+        _need(self.stale_after_s > 0, f"run_lock.stale_after_s={self.stale_after_s} must be > 0")
+
+
+@dataclass
+class DistributedConfig:
+    """A multi-rank launch fails instead of hanging, and reports on itself."""
+
+    collective_timeout_s: float = 600.0  # a collective that waits longer for a rank is an error (every group)
+    flight_recorder_entries: int = 2000  # NCCL flight recorder ring size, dumped on a timeout (0: off)
+    heartbeat_every_s: float = 300.0  # a heartbeat line this often at a step end (0: none)
+    straggler_every: int = 50  # steps between straggler checks (0: none)
+    straggler_ratio: float = 1.5  # report a rank whose own time per step is this many times the median
+
+    def check(self) -> None:
+        _need(self.collective_timeout_s > 0, f"distributed.collective_timeout_s={self.collective_timeout_s} must be > 0")
+        _need(self.flight_recorder_entries >= 0,
+              f"distributed.flight_recorder_entries={self.flight_recorder_entries} must be >= 0 (0: off)")
+        _need(self.heartbeat_every_s >= 0, f"distributed.heartbeat_every_s={self.heartbeat_every_s} must be >= 0")
+        _need(self.straggler_every >= 0, f"distributed.straggler_every={self.straggler_every} must be >= 0")
+        _need(self.straggler_ratio > 1, f"distributed.straggler_ratio={self.straggler_ratio} must be > 1")
+
+
+@dataclass
+class BadStepConfig:
+    """Steps with a non-finite loss or gradient norm are skipped on every rank; loss spikes are reported."""
+
+    max_consecutive_skips: int = 3  # the run stops after this many skipped steps in a row
+    max_skips: int = 20  # ... or this many in one launch
+    spike_sigmas: float = 6.0  # a loss above mean + k std of the last spike_window steps is a spike (0: off)
+    spike_window: int = 50
+    spike_rollback: bool = False  # on a spike: reload the stage's newest checkpoint and skip the spiking batch
+
+    def check(self) -> None:
+        _need(self.max_consecutive_skips >= 1 and self.max_skips >= 1,
+              "bad_steps.max_consecutive_skips and bad_steps.max_skips must be >= 1")
+        _need(self.spike_sigmas >= 0, f"bad_steps.spike_sigmas={self.spike_sigmas} must be >= 0 (0: off)")
+        _need(self.spike_window >= 2, f"bad_steps.spike_window={self.spike_window} must be >= 2")
+
+
+@dataclass
 class TrainConfig:
     recipe: str = "custom"  # set from `recipe=NAME` by the loader
     run_dir: str = "runs/${recipe}"
@@ -132,6 +184,9 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    run_lock: RunLockConfig = field(default_factory=RunLockConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    bad_steps: BadStepConfig = field(default_factory=BadStepConfig)
 
 
 SCHEMA_NAME = "moe_lc_train_schema"

@@ -12,6 +12,16 @@ plan; `moe-lc bench`: time one of its stages.
 Arguments are Hydra overrides (key=value, group=option, +new_key=value, ~key) composed with
 Hydra's compose API; `recipe=NAME` picks the top-level recipe file and `recipes_dir=DIR`
 (or $MOE_LC_RECIPES) another recipe tree.
+
+Exit codes of `moe-lc train` (a launcher requeues on 3 and 4):
+    0  done (the stages asked for are trained, or max_steps reached)
+    1  diverged (too many skipped non-finite steps, or a state that is not finite)
+    2  bad configuration or input (one line naming the fix), or run_dir in use by another trainer
+    3  stopped by a signal (SIGTERM, SIGUSR1, SIGINT) after saving a checkpoint: resume=auto continues
+    4  a collective failed: another rank stopped responding or died; restarting resumes
+  130  interrupted (Ctrl-C twice): no checkpoint of the current step
+With $MOE_LC_STATUS_FILE set, rank 0 also writes its exit code there: torchrun reports only
+whether its workers failed, so the launch scripts read the trainer's code from that file.
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ if TYPE_CHECKING:
     from moe_lc.plan.hardware import ClusterRequest
 
 FLAGS = ("--cfg", "--list", "--help", "-h")
+EXIT_DONE, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_COLLECTIVE_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+STATUS_FILE_ENV = "MOE_LC_STATUS_FILE"
 
 
 def _usage() -> str:
@@ -42,7 +54,7 @@ def _listing() -> str:
 
 
 def run_train_cli(argv: Optional[Sequence[str]] = None) -> int:
-    """Exit code: 0 done (or stopped by SIGTERM after a checkpoint), 1 diverged, 2 bad configuration or input."""
+    """The exit code (see the module docstring); also written to $MOE_LC_STATUS_FILE by rank 0."""
     from omegaconf import OmegaConf
 
     from moe_lc.train.recipes import compose_recipe, recipes_dir, split_recipe_args
@@ -60,20 +72,30 @@ def run_train_cli(argv: Optional[Sequence[str]] = None) -> int:
         print(_listing())
         return 0
 
-    def compose_and_train() -> None:
+    def compose_and_train() -> int:
         if "--list" in flags:
             print(_listing())
-            return
+            return EXIT_DONE
         recipe, rdir, rest = split_recipe_args(overrides)
         cfg = compose_recipe(recipe, rest, recipes_dir(rdir))
         if "--cfg" in flags:
             print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-            return
+            return EXIT_DONE
         from moe_lc.train.trainer import train as run
 
-        run(cfg)
+        return EXIT_STOPPED if run(cfg).stopped_early else EXIT_DONE
 
-    return _exit_code(compose_and_train)
+    code = _exit_code(compose_and_train)
+    _write_status(code)
+    return code
+
+
+def _write_status(code: int) -> None:
+    """Rank 0's exit code into $MOE_LC_STATUS_FILE, for a launcher behind torchrun."""
+    path = os.environ.get(STATUS_FILE_ENV)
+    if path and os.environ.get("RANK", "0") == "0":
+        with open(path, "w") as f:
+            f.write(f"{code}\n")
 
 
 def run_plan_cli(recipe: str, overrides: Sequence[str] = (), cluster: Optional["ClusterRequest"] = None,
@@ -146,22 +168,27 @@ def run_bench_cli(argv: Sequence[str]) -> int:
     return _exit_code(bench)
 
 
-def _exit_code(job: Callable[[], None]) -> int:
-    """Run `job`; bad input becomes one line on stderr and exit code 2, a diverged run exit code 1."""
+def _exit_code(job: Callable[[], Optional[int]]) -> int:
+    """Run `job` (its return value is the exit code; None: 0); the errors a user can act on become one
+    line on stderr and their exit code (see the module docstring)."""
+    from moe_lc.checkpoint import CheckpointError
+    from moe_lc.storage import StorageError
+    from moe_lc.train.hangs import CollectiveFailure
+    from moe_lc.train.runlock import RunLockLost
+
     try:
-        job()
-        return 0
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return job() or EXIT_DONE
+    except KeyboardInterrupt:
+        print("interrupted: the newest checkpoint is the last complete state (resume=auto continues from it)",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     except FloatingPointError as err:  # a diverged run: its checkpoints are intact, the message says what to try
         print(f"error: {err}", file=sys.stderr)
-        return 1
-    except Exception as err:  # checkpoint, storage and data errors carry their own fix; show them without a traceback
-        from moe_lc.checkpoint import CheckpointError
-        from moe_lc.storage import StorageError
-
-        if isinstance(err, (CheckpointError, StorageError, FileNotFoundError)):
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        raise
+        return EXIT_DIVERGED
+    except CollectiveFailure as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_COLLECTIVE_FAILED
+    except (ConfigError, CheckpointError, StorageError, FileNotFoundError, RunLockLost) as err:
+        # bad input; checkpoint and data errors carry their own fix: shown without a traceback
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT

@@ -2,7 +2,8 @@
 
 A plain `python -m moe_lc.train` is one process; under `torchrun` (WORLD_SIZE > 1) the
 process group is initialised here (NCCL on GPUs, gloo on CPU) and each rank takes the GPU
-of its LOCAL_RANK.
+of its LOCAL_RANK. Every process group of the launch gets `distributed.collective_timeout_s`
+(`moe_lc.train.hangs`), so a rank that stops responding is an error on the others, not a hang.
 """
 
 from __future__ import annotations
@@ -10,12 +11,16 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from moe_lc.config import ConfigError
+from moe_lc.train.config import DistributedConfig
+from moe_lc.train.hangs import collective_timeouts
 
 T = TypeVar("T")
 
@@ -28,6 +33,7 @@ class Runtime:
     device: torch.device
     compute_dtype: torch.dtype  # bf16 (autocast over fp32 weights), fp32, or fp64 (float64 weights)
     started_process_group: bool
+    collective_timeout_s: float = 0.0  # of every process group (0: one process, none)
 
     @property
     def is_main(self) -> bool:
@@ -53,8 +59,15 @@ class Runtime:
             fn()
         self.barrier()
 
-    def shutdown(self) -> None:
-        if self.started_process_group and dist.is_initialized():
+    def shutdown(self, after_collective_failure: bool = False) -> None:
+        """Destroy the process group this runtime started; after a failed collective NCCL's is aborted
+        instead (a graceful destroy would wait for the peer that stopped responding)."""
+        if not (self.started_process_group and dist.is_initialized()):
+            return
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if after_collective_failure and self.device.type == "cuda" and abort is not None:
+            abort()
+        else:
             dist.destroy_process_group()
 
 
@@ -87,8 +100,36 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}[precision]
 
 
-def init_runtime(device: str = "auto", precision: str = "auto", threads: Optional[int] = None) -> Runtime:
-    """Pick the device, start torch.distributed when launched by torchrun, set the compute dtype."""
+def elastic_attempt_store(world_size: int, timeout: timedelta) -> Optional[dist.Store]:
+    """Under `torchrun --max-restarts`, the store of this attempt: torchrun's store, shared by every
+    attempt, under a prefix of its own.
+
+    torchrun keeps one store for all attempts, so the keys a process group publishes (each
+    rank's address) are still there, stale, when the restarted ranks look for their peers;
+    a rank that reads a dead peer's address fails ("Connection refused"), and every restart
+    after it may too. None outside torchelastic (torch's env:// rendezvous then).
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0), world_size, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"moe_lc/attempt_{attempt}", store)
+
+
+def init_runtime(
+    device: str = "auto",
+    precision: str = "auto",
+    threads: Optional[int] = None,
+    distributed: Optional[DistributedConfig] = None,
+    flight_recorder_dir: Optional[Path] = None,
+) -> Runtime:
+    """Pick the device, start torch.distributed when launched by torchrun, set the compute dtype.
+
+    distributed: the collective timeout and NCCL's flight recorder (defaults when None), whose
+    dumps go to `flight_recorder_dir`.
+    """
+    distributed = distributed or DistributedConfig()
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -99,8 +140,16 @@ def init_runtime(device: str = "auto", precision: str = "auto", threads: Optiona
         torch.cuda.set_device(dev)
     started = False
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+        timeout = collective_timeouts(distributed.collective_timeout_s, distributed.flight_recorder_entries,
+                                      flight_recorder_dir)
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        store = elastic_attempt_store(world, timeout)
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
         started = True
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
-    return Runtime(rank, world, local_rank, dev, compute_dtype(precision, dev), started)
+    timeout_s = distributed.collective_timeout_s if world > 1 else 0.0
+    return Runtime(rank, world, local_rank, dev, compute_dtype(precision, dev), started, timeout_s)

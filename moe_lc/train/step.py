@@ -16,13 +16,22 @@ MaxVio, and the launch's stop request, in one copy. Before that nothing waits: u
 through pinned memory, N stays on the device (the backward scale n_i / N is a device scalar),
 the gradient norm and the routing statistics are device tensors, and the ranks' stop requests
 travel in a queued all-reduce.
+
+A step whose global loss or gradient norm is not finite is skipped on every rank: no optimizer
+update, the expert biases kept (`moe_lc.train.bad_steps`); its result says so. A fused AdamW
+skips on the device; any other optimizer reads that decision back first (a second read). The
+stop-request all-reduce also carries each rank's own time of the step before (its batch wait
+and optimizer update), for the straggler report (`moe_lc.train.health`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+import itertools
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -34,6 +43,7 @@ from moe_lc.model.accounting import causal_keys_per_token
 from moe_lc.ops.documents import DocumentBounds, upload
 from moe_lc.optim import OptimConfig, apply_lr
 from moe_lc.parallel import data_parallel_group
+from moe_lc.train.bad_steps import step_if_finite, update_biases_if_finite
 from moe_lc.train.curriculum import StagePlan
 from moe_lc.train.data import StageData
 from moe_lc.train.model_setup import ModelState
@@ -54,6 +64,38 @@ class StepResult:
     expert_loads: list[list[int]]  # per MoE layer and expert: tokens routed to it this step (global)
     stop_requested: bool = False  # some rank was asked to stop (a signal): checkpoint and stop after this step
     aux_loss: float = 0.0  # extra terms of the objective (MTP, auxiliary balance), token-weighted
+    skipped: bool = False  # the loss or gradient norm was not finite: nothing was updated
+    optimizer_s: float = 0.0  # this rank's optimizer update (device time on a GPU)
+    own_s_per_rank: list[float] = field(default_factory=list)  # each rank's own time in the step before (health.py)
+
+
+class Interval:
+    """The device time of work queued between `start` and `stop`, read after the step's one read
+    (CUDA events, so nothing waits when they are recorded; the host clock on a CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._events: Optional[tuple[torch.cuda.Event, torch.cuda.Event]] = None
+        self._t = [0.0, 0.0]
+
+    def start(self) -> None:
+        if self.cuda:
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        else:
+            self._t[0] = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self._events[1].record()
+        else:
+            self._t[1] = time.perf_counter()
+
+    def seconds(self) -> float:
+        """After the work has finished (the end-of-step read waited for it)."""
+        if self.cuda:
+            return self._events[0].elapsed_time(self._events[1]) / 1e3
+        return self._t[1] - self._t[0]
 
 
 @contextlib.contextmanager
@@ -92,11 +134,31 @@ def _sum_over_data_parallel(values: torch.Tensor, state: ModelState) -> torch.Te
     return values
 
 
-def _any_rank(flag: bool, runtime: Runtime) -> torch.Tensor:
-    """1 on every rank if `flag` is set on any, as a device scalar (a queued all-reduce)."""
-    t = upload(torch.tensor([1 if flag else 0], dtype=torch.int32), runtime.device)
+def _on_every_rank(flag: torch.Tensor, runtime: Runtime) -> torch.Tensor:
+    """`flag` (a device bool) where it holds on every rank, else false everywhere (a queued all-reduce):
+    the loss and norm are global already, but a rank whose copy of replicated gradients differs (a
+    fault on one device) must not step alone."""
+    if not runtime.distributed:
+        return flag
+    t = flag.to(torch.int32).reshape(1)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t.reshape(()).bool()
+
+
+def _shared_over_ranks(stop: bool, own_s: float, runtime: Runtime) -> torch.Tensor:
+    """[any rank's stop request, rank 0's own time, rank 1's, ...] on every rank, as one device
+    vector (a queued all-reduce: each rank fills its own slot, MAX keeps every slot)."""
+    values = [0.0] * (1 + runtime.world_size)
+    values[0] = 1.0 if stop else 0.0
+    values[1 + runtime.rank] = own_s
+    t = upload(torch.tensor(values, dtype=torch.float64), runtime.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t
+
+
+def lr_overflow_message(optim_cfg: OptimConfig, lr: float, step: int) -> str:
+    return (f"optim.lr={optim_cfg.lr:g}: the optimizer update of step {step + 1} overflows float32 (its step "
+            f"size lr / (1 - beta1^t) at lr {lr:.3g} exceeds 3.4e38); use a learning rate of order 1e-3")
 
 
 def train_step(
@@ -107,10 +169,13 @@ def train_step(
     optim_cfg: OptimConfig,
     runtime: Runtime,
     stop_requested: bool = False,
+    own_s_before: float = 0.0,
 ) -> StepResult:
     """Run 0-based optimizer step `step` of `total_steps` on this rank's micro-batches.
 
     stop_requested: this rank was asked to stop; the result says whether any rank was.
+    own_s_before: this rank's own time in the step before (its batch wait and optimizer update),
+    shared with every rank in the end-of-step read.
     """
     model, optimizer, device = state.model, state.optimizer, runtime.device
     with region("data"):
@@ -142,29 +207,41 @@ def train_step(
         lm_sum += out.lm_loss.detach().double() * n
         extra_sum += (out.loss.detach() - out.lm_loss.detach()).double() * n
     state.finish_gradient_sync()
+    sums = _sum_over_data_parallel(torch.stack([lm_sum, extra_sum]), state)
+    update = Interval(device)
     with region("optimizer"):
         grad_norm = state.clip_grad_norm(optim_cfg.grad_clip)
+        finite = _on_every_rank(torch.isfinite(grad_norm.to(device)) & torch.isfinite(sums).all(), runtime)
         lr = apply_lr(optimizer, step, total_steps, optim_cfg)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        update.start()
+        try:
+            step_if_finite(optimizer, finite)
+        except RuntimeError as err:
+            if "overflow" not in str(err):
+                raise
+            raise ConfigError(lr_overflow_message(optim_cfg, lr, step)) from None
+        update.stop()
+        model.zero_grad(set_to_none=True)  # all of them: a skipped ZeRO-1 step leaves other ranks' shares too
     balancers = [moe.balancer for moe in state.moe_layers()]
     with region("router_dispatch"):
-        for balancer in balancers:
-            balancer.update(state.balance_group)
-    sums = _sum_over_data_parallel(torch.stack([lm_sum, extra_sum]), state)
+        update_biases_if_finite(balancers, state.balance_group, finite)
     layers = len(balancers)
-    queued = [sums / denom, grad_norm.reshape(1), counts, *(b.last_maxvio.reshape(1) for b in balancers),
-              *(b.last_loads for b in balancers)]
+    queued = [sums / denom, grad_norm.reshape(1), counts, finite.reshape(1),
+              *(b.last_maxvio.reshape(1) for b in balancers), *(b.last_loads for b in balancers)]
     if runtime.distributed:
-        queued.append(_any_rank(stop_requested, runtime))
+        queued.append(_shared_over_ranks(stop_requested, own_s_before, runtime))
     host = read_to_host(queued)
-    (lm, extra), (norm,), (label_tokens, keys, tokens) = host[:3]
-    maxvio = [v for (v,) in host[3 : 3 + layers]]
-    loads = [[int(x) for x in layer] for layer in host[3 + layers : 3 + 2 * layers]]
-    stop = bool(host[3 + 2 * layers][0]) if runtime.distributed else stop_requested
+    (lm, extra), (norm,), (label_tokens, keys, tokens), (was_finite,) = host[:4]
+    maxvio = [v for (v,) in host[4 : 4 + layers]]
+    loads = [[int(x) for x in layer] for layer in host[4 + layers : 4 + 2 * layers]]
+    if runtime.distributed:
+        stop, *own = host[4 + 2 * layers]
+    else:
+        stop, own = stop_requested, [own_s_before]
     return StepResult(
         loss=lm, grad_norm=norm, lr=lr, label_tokens=int(label_tokens), keys_per_token=keys / max(tokens, 1.0),
-        maxvio_per_layer=maxvio, expert_loads=loads, stop_requested=stop, aux_loss=extra,
+        maxvio_per_layer=maxvio, expert_loads=loads, stop_requested=bool(stop), aux_loss=extra,
+        skipped=not was_finite, optimizer_s=update.seconds(), own_s_per_rank=own,
     )
 
 
@@ -188,8 +265,12 @@ def run_steps(
     optim_cfg: OptimConfig,
     runtime: Runtime,
     stop_requested: Callable[[], bool] = lambda: False,
+    skipped_batches: Collection[int] = (),
 ) -> Iterator[TakenStep]:
     """Global steps `steps` of `data`'s stage, the first starting at `consumed` sequences.
+
+    skipped_batches: positions (sequences consumed) of batches never to train on (a loss spike's,
+    after a rollback): the steps take the batches after them.
 
     A background thread prepares each step's micro-batches (pinned on a GPU) while the step
     before runs. Its only state is the position it started from, so after a resume it simply
@@ -199,7 +280,8 @@ def run_steps(
     """
     plan, device = data.plan, runtime.device
     per_step = plan.sequences_per_step
-    positions = range(consumed, consumed + len(steps) * per_step, per_step)
+    batches = (p for p in itertools.count(consumed, per_step) if p not in skipped_batches)
+    positions = list(itertools.islice(batches, len(steps)))
     pin = device.type == "cuda"
 
     def prepare(position: int) -> list:
@@ -209,15 +291,19 @@ def run_steps(
             return data.micro_batches(position, state.dp_rank, pin_memory=pin)
 
     timer = DeviceTimer(device)
+    own_s = 0.0  # this rank's batch wait and optimizer update in the step before
     with Prefetcher(prepare, positions, depth=PREFETCH_DEPTH) as ahead:
         for step, position in zip(steps, positions):
             timer.start()
+            waited = time.perf_counter()
             with region("data"):
                 micro = ahead.get(position)
+            waited = time.perf_counter() - waited
             try:
-                result = train_step(state, micro, step, total_steps, optim_cfg, runtime, stop_requested())
+                result = train_step(state, micro, step, total_steps, optim_cfg, runtime, stop_requested(), own_s)
             except torch.OutOfMemoryError:
                 raise ConfigError(out_of_memory_message(plan, step, device)) from None
+            own_s = waited + result.optimizer_s
             yield TakenStep(step, position, result, timer.stop())
 
 

@@ -14,38 +14,47 @@ sequences consumed per stage, the tokens seen, the model (QB biases and histogra
 model buffers and extra state), the optimizer, the RNG states. The LR is a function of the
 step. So a resumed run repeats exactly what the uninterrupted run would have done.
 
-`train(cfg)` sets up a launch (runtime, stop signals, where to start, the run's log) and
-hands it to a `Trainer`, which runs the stage loop.
+`train(cfg)` sets up a launch (runtime, stop signals, the run lock, where to start, the run's
+log) and hands it to a `Trainer`, which runs the stage loop. Failing closed: a step whose loss
+or gradient norm is not finite changes nothing (`bad_steps`), a state that is not finite is
+never checkpointed, a rank that stops responding is an error on the others (`hangs`), and a
+second trainer on the same run_dir is refused (`runlock`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import signal
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, TextIO
+from typing import Any, Iterator, Optional, TextIO
 
 import torch
 
 from moe_lc.checkpoint import CheckpointManager, restore_rng
+from moe_lc.checkpoint.coordination import Coordinator
 from moe_lc.metrics import device_peak_flops, mfu, peak_memory_bytes
 from moe_lc.model.accounting import count_parameters, training_flops_per_token
 from moe_lc.parallel.activation_checkpointing import activation_checkpointing_of, apply_activation_checkpointing
+from moe_lc.train.bad_steps import BadStepBudget, Spike, SpikeDetector, nonfinite_state
 from moe_lc.train.config import TrainConfig
 from moe_lc.train.curriculum import StagePlan, next_step_to_run, plan_curriculum, stage_at, total_steps
 from moe_lc.train.data import StageData, build_stage_data, eval_dataset
 from moe_lc.train.evaluation import describe_eval, evaluate_stage
+from moe_lc.train.hangs import Activity, CollectiveFailure, is_collective_failure
+from moe_lc.train.health import Heartbeat, StragglerWatch
 from moe_lc.train.model_setup import ModelState, build_model_state
-from moe_lc.train.resume import RunPosition, Start, TrainerState, find_start
+from moe_lc.train.resume import RunPosition, Start, TrainerState, find_start, read_trainer_state
+from moe_lc.train.runlock import RunLock
 from moe_lc.train.runlog import RunLog
 from moe_lc.train.runtime import Runtime, init_runtime
 from moe_lc.train.step import StepResult, run_steps
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM preemption / time limit warnings
+# SLURM preemption / time-limit warnings, and Ctrl-C: save at the next step boundary and stop
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+FLIGHT_RECORDER_DIR = "flight_recorder"  # in run_dir: NCCL's record of each rank's last collectives
 
 
 @dataclass
@@ -66,14 +75,17 @@ class RunSummary:
 
 
 class StopSignals:
-    """While entered, SIGTERM/SIGUSR1 set `requested` instead of ending the process: the trainer
-    then checkpoints and stops at the next step boundary."""
+    """While entered, SIGTERM/SIGUSR1/SIGINT set `requested` instead of ending the process: the
+    trainer then checkpoints and stops at the next step boundary. A second SIGINT (Ctrl-C twice)
+    interrupts at once, without that checkpoint."""
 
     def __init__(self) -> None:
         self.requested = False
         self._previous: dict[int, Any] = {}
 
     def _request(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.requested:
+            raise KeyboardInterrupt
         self.requested = True
 
     def __enter__(self) -> "StopSignals":
@@ -100,6 +112,8 @@ class Trainer:
         start: Start,
         log: RunLog,
         stop: StopSignals,
+        activity: Optional[Activity] = None,
+        lock: Optional[RunLock] = None,
     ) -> None:
         self.cfg = cfg
         self.runtime = runtime
@@ -110,7 +124,14 @@ class Trainer:
         self.start = start
         self.log = log
         self.stop = stop
+        self.activity = activity or Activity()
+        self.lock = lock  # rank 0's; None on the other ranks
         self.last_saved_step = start.position.step if start.resume is not None else -1
+        self.budget = BadStepBudget(cfg.bad_steps)
+        self.spikes = SpikeDetector(cfg.bad_steps.spike_window, cfg.bad_steps.spike_sigmas)
+        self.heartbeat = Heartbeat(cfg.distributed.heartbeat_every_s)
+        self.stragglers = StragglerWatch(cfg.distributed.straggler_every, cfg.distributed.straggler_ratio,
+                                         runtime.world_size)
 
     # --------------------------------------------------------------------- main loop
 
@@ -132,16 +153,20 @@ class Trainer:
                                          f"{position.step} is in a stage this launch does not run)")
                     position.step = plan.start_step
                 if state is None:
-                    state = self._build_state(plan, resume_path, self.start.init, position)
+                    with self.activity.doing(f"building stage {plan.name}'s model"):
+                        state = self._build_state(plan, resume_path, self.start.init, position)
                 elif state.layout != plan.layout:
                     if self.last_saved_step != position.step:  # the new layout reloads a checkpoint of this step
                         summary.checkpoints.append(str(self._save(state, stage_at(plans, position.step - 1), position)))
                     state = None  # free the old model before building the new one
-                    state = self._build_state(plan, None, None, position, rebuild=True)
+                    with self.activity.doing(f"rebuilding the model for stage {plan.name}'s layout"):
+                        state = self._build_state(plan, None, None, position, rebuild=True)
                 elif activation_checkpointing_of(state.model) != plan.checkpointing:  # no parameter changes
                     apply_activation_checkpointing(state.model, plan.checkpointing)
                     self.log.message(f"activation checkpointing for stage {plan.name}: {plan.checkpointing.describe()}")
-                data = build_stage_data(plan, cfg.data, cfg.model.vocab_size, cfg.seed, sync=self.runtime.rank0_first)
+                with self.activity.doing(f"building stage {plan.name}'s data"):
+                    data = build_stage_data(plan, cfg.data, cfg.model.vocab_size, cfg.seed,
+                                            sync=self.runtime.rank0_first)
                 self.log.message(
                     f"stage {plan.name}: seq_len {plan.seq_len}, {plan.sequences_per_step} seq/step "
                     f"({plan.global_batch_tokens} tokens), micro-batch {plan.micro_batch} x {plan.grad_accum} "
@@ -183,15 +208,33 @@ class Trainer:
     def _train_stage(
         self, state: ModelState, plan: StagePlan, data: StageData, position: RunPosition, summary: RunSummary
     ) -> float:
-        """Steps of `plan` from `position` until its end, max_steps or a stop signal; returns the step time spent."""
+        """Steps of `plan` from `position` until its end, max_steps or a stop signal; returns the step time spent.
+
+        A loss spike with bad_steps.spike_rollback reloads the stage's newest checkpoint and trains
+        on from there without the spiking batch.
+        """
         cfg = self.cfg
         end = plan.end_step if cfg.max_steps is None else max(position.step, min(plan.end_step, cfg.max_steps))
+        spent, skipped_batches = 0.0, set()
+        while True:
+            took, spiking_batch = self._steps(state, plan, data, position, summary, end, skipped_batches)
+            spent += took
+            if spiking_batch is None:
+                return spent
+            skipped_batches.add(spiking_batch)
+
+    def _steps(
+        self, state: ModelState, plan: StagePlan, data: StageData, position: RunPosition, summary: RunSummary,
+        end: int, skipped_batches: set[int],
+    ) -> tuple[float, Optional[int]]:
+        """Steps until `end` (or a stop); returns the time spent and, after a rollback, the batch to skip."""
+        cfg = self.cfg
         steps = range(position.step, end)
         consumed = position.consumed.get(plan.name, 0)
         spent, count = 0.0, 0
         taken_steps = run_steps(state, data, steps, consumed, self.total, cfg.optim, self.runtime,
-                                stop_requested=lambda: self.stop.requested)
-        with contextlib.closing(taken_steps):
+                                stop_requested=lambda: self.stop.requested, skipped_batches=skipped_batches)
+        with contextlib.closing(taken_steps), self.activity.doing(f"step {position.step + 1} of stage {plan.name}"):
             for taken in taken_steps:
                 result, dt = taken.result, taken.time_s
                 position.advance(plan, taken.consumed, dt)
@@ -200,26 +243,100 @@ class Trainer:
                 summary.steps_this_launch += 1
                 summary.tokens_this_launch += plan.global_batch_tokens
                 summary.last_loss = result.loss
-                self.log.step(self._step_record(plan, position, result, dt),
-                              self._eta(plan, position, spent / count))
-                if not math.isfinite(result.loss):
-                    raise FloatingPointError(f"loss is {result.loss} at step {position.step}; lower optim.lr or check the data")
+                spike = None if result.skipped else self.spikes.observe(position.step, result.loss)
+                rollback = self._rollback_target(plan) if spike is not None and cfg.bad_steps.spike_rollback else None
+                record = self._step_record(plan, position, result, dt)
+                if spike is not None:
+                    record["spike"] = {"mean": spike.mean, "std": spike.std, "rolled_back_to": rollback}
+                self.log.step(record, self._eta(plan, position, spent / count))
+                self._report_health(plan, position, result)
+                self._judge(state, position, result, spike, rollback)
+                if rollback is not None:
+                    self._roll_back(state, rollback, position)
+                    return spent, taken.consumed
                 stage_end_save = position.step == plan.end_step and cfg.checkpoint.at_stage_end  # after the eval
                 if cfg.checkpoint.every and position.step % cfg.checkpoint.every == 0 and not stage_end_save:
                     summary.checkpoints.append(str(self._save(state, plan, position)))
                 if result.stop_requested:
                     summary.stopped_early = True
                     break
-        return spent
+                self.activity.now = f"step {position.step + 1} of stage {plan.name}"
+        return spent, None
+
+    # ----------------------------------------------------------------- bad steps
+
+    def _judge(
+        self, state: ModelState, position: RunPosition, result: StepResult, spike: Optional[Spike],
+        rollback: Optional[int],
+    ) -> None:
+        """Count a skipped (or rolled back) step against the budget; a skip caused by weights that are
+        no longer finite stops the run at once. Every rank decides alike (global loss and norm)."""
+        step = position.step
+        if result.skipped:
+            self.log.warning(f"step {step} skipped: loss {result.loss}, gradient norm {result.grad_norm}; "
+                             "nothing was updated")
+            broken = nonfinite_state(state.model, state.optimizer, self.runtime.device, self.runtime.distributed)
+            if broken is not None:
+                raise FloatingPointError(
+                    f"the weights or optimizer state are not finite at step {step} ({broken}): an earlier update (lr "
+                    f"{result.lr:.3g}) diverged; the newest checkpoint holds the last finite state: lower "
+                    "optim.lr, then resume with resume=auto")
+        if spike is not None:
+            then = (f"rolling back to step {rollback} and skipping this batch" if rollback is not None
+                    else "kept (bad_steps.spike_rollback=false or no checkpoint of this stage)")
+            self.log.warning(f"loss spike at step {step}: {spike.describe()}; {then}")
+        self.budget.count(step, result.skipped or rollback is not None, result.loss, result.grad_norm, result.lr)
+
+    def _rollback_target(self, plan: StagePlan) -> Optional[int]:
+        """The step of the newest complete checkpoint inside `plan` (the stage's layout), else None."""
+        self.checkpoints.wait()
+        path = self.checkpoints.latest()
+        if path is None:
+            return None
+        step = read_trainer_state(path).position.step
+        return step if step >= plan.start_step else None
+
+    def _roll_back(self, state: ModelState, step: int, position: RunPosition) -> None:
+        """Reload the newest checkpoint (of step `step`) into `state` and `position`."""
+        path = self.checkpoints.latest()
+        with self.activity.doing(f"rolling back to the checkpoint of step {step}"):
+            trainer, rng = self.checkpoints.load(path, state.model, state.optimizer)
+        if rng is not None:
+            restore_rng(rng)
+        saved = TrainerState.from_dict(trainer).position
+        position.step, position.consumed = saved.step, dict(saved.consumed)
+        position.tokens_seen, position.train_time_s = saved.tokens_seen, saved.train_time_s
+        self.last_saved_step = saved.step
+        self.spikes.rewind(saved.step)
+        self.log.message(f"rolled back to {path} (step {saved.step})")
+
+    def _report_health(self, plan: StagePlan, position: RunPosition, result: StepResult) -> None:
+        """The heartbeat and straggler lines, and the run lock's check (rank 0 holds it)."""
+        if self.lock is not None:
+            self.lock.check()
+        line = self.heartbeat.beat(position.step, self.total, plan.name, result.loss, plan.global_batch_tokens)
+        if line is not None:
+            self.log.message(line)
+        line = self.stragglers.add(position.step, result.own_s_per_rank)
+        if line is not None:
+            self.log.warning(line)
 
     # ----------------------------------------------------------------- checkpoints
 
     def _save(self, state: ModelState, plan: StagePlan, position: RunPosition) -> Path:
+        """Checkpoint `state` at `position`; a state that is not finite is refused (FloatingPointError)."""
         t0 = time.perf_counter()
-        trainer = TrainerState.of_run(self.cfg, self.plans, plan, position, state.layout.as_dict())
-        path = self.checkpoints.save(
-            position.step, {"model": state.model, "optim": state.optimizer, "trainer": trainer.to_dict()}
-        )
+        with self.activity.doing(f"the checkpoint of step {position.step}"):
+            broken = nonfinite_state(state.model, state.optimizer, self.runtime.device, self.runtime.distributed)
+            if broken is not None:
+                raise FloatingPointError(
+                    f"the state at step {position.step} is not finite ({broken}) and is not checkpointed; the "
+                    "newest checkpoint holds the last finite state: lower optim.lr or check the data, then resume "
+                    "with resume=auto")
+            trainer = TrainerState.of_run(self.cfg, self.plans, plan, position, state.layout.as_dict())
+            path = self.checkpoints.save(
+                position.step, {"model": state.model, "optim": state.optimizer, "trainer": trainer.to_dict()}
+            )
         self.last_saved_step = position.step
         self.log.message(f"checkpoint step {position.step} -> {path} ({time.perf_counter() - t0:.2f}s)")
         return path
@@ -300,6 +417,8 @@ class Trainer:
         }
         if result.aux_loss:
             record["aux_loss"] = result.aux_loss
+        if result.skipped:
+            record["skipped"] = True
         if position.step % cfg.logging.loads_every == 0 or position.step == plan.end_step:
             record["expert_loads"] = result.expert_loads
         return record
@@ -328,11 +447,12 @@ class Trainer:
             return
         t0 = time.perf_counter()
         autocast = self.runtime.autocast if state.autocast_forward else contextlib.nullcontext
-        result = evaluate_stage(
-            state.model, eval_dataset(data, cfg.seed + cfg.eval.seed_offset), plan.seq_len, cfg.eval.sequences,
-            cfg.eval.passkey_documents, self.runtime.device, autocast, tokenizer=str(cfg.data.tokenizer),
-            seed=cfg.seed + cfg.eval.seed_offset,
-        )
+        with self.activity.doing(f"stage {plan.name}'s evaluation"):
+            result = evaluate_stage(
+                state.model, eval_dataset(data, cfg.seed + cfg.eval.seed_offset), plan.seq_len, cfg.eval.sequences,
+                cfg.eval.passkey_documents, self.runtime.device, autocast, tokenizer=str(cfg.data.tokenizer),
+                seed=cfg.seed + cfg.eval.seed_offset,
+            )
         result.update({"step": position.step, "stage": plan.name, "eval_time_s": time.perf_counter() - t0})
         self.log.eval(result)
         line = describe_eval(result)
@@ -344,33 +464,68 @@ class Trainer:
 
 
 def train(cfg: TrainConfig, stream: Optional[TextIO] = None) -> RunSummary:
-    """Run a composed config: the runtime, where to start, the run's log, then the stage loop."""
-    runtime = init_runtime(cfg.device, cfg.precision, cfg.threads)
+    """Run a composed config: the runtime, the run lock, where to start, the run's log, then the stage loop.
+
+    A collective that times out or loses a rank ends the launch with `CollectiveFailure` (one line).
+    """
+    for section in (cfg.run_lock, cfg.distributed, cfg.bad_steps):
+        section.check()
+    runtime = init_runtime(cfg.device, cfg.precision, cfg.threads, cfg.distributed,
+                           flight_recorder_dir=Path(cfg.run_dir) / FLIGHT_RECORDER_DIR)
     wall_start = time.perf_counter()
     if not runtime.distributed:  # DCP notes on every save/load that it runs single-process; we know
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+    activity, failed = Activity(), False
     try:
         with StopSignals() as stop:
             torch.manual_seed(cfg.seed)
             plans = plan_curriculum(cfg, runtime.world_size)
-            checkpoints = CheckpointManager(
-                Path(cfg.run_dir) / cfg.checkpoint.dir, keep_last=cfg.checkpoint.keep_last,
-                async_save=cfg.checkpoint.async_save,
-            )
-            start = find_start(cfg, checkpoints)
-            trains = _has_steps_to_run(plans, start.position.step, cfg.max_steps)
-            log = (
-                RunLog.open(cfg, total_steps(plans), stream, metrics_after=start.resume_step if trains else None)
-                if runtime.is_main else RunLog.silent()
-            )
-            with log:
-                if start.warning is not None:
-                    log.warning(start.warning)
-                if not trains:
-                    return _nothing_to_train(cfg, plans, start.position, log, wall_start)
-                return Trainer(cfg, runtime, plans, checkpoints, start, log, stop).run(wall_start)
+            lock_notes: list[str] = []
+            with _run_lock(cfg, runtime, lock_notes.append) as lock:
+                checkpoints = CheckpointManager(
+                    Path(cfg.run_dir) / cfg.checkpoint.dir, keep_last=cfg.checkpoint.keep_last,
+                    async_save=cfg.checkpoint.async_save,
+                )
+                start = find_start(cfg, checkpoints)
+                trains = _has_steps_to_run(plans, start.position.step, cfg.max_steps)
+                log = (
+                    RunLog.open(cfg, total_steps(plans), stream, metrics_after=start.resume_step if trains else None)
+                    if runtime.is_main else RunLog.silent()
+                )
+                with log:
+                    for note in lock_notes + ([start.warning] if start.warning is not None else []):
+                        log.warning(note)
+                    if not trains:
+                        return _nothing_to_train(cfg, plans, start.position, log, wall_start)
+                    return Trainer(cfg, runtime, plans, checkpoints, start, log, stop, activity, lock).run(wall_start)
+    except Exception as err:
+        if not (runtime.distributed and is_collective_failure(err)):
+            raise
+        failed = True
+        raise CollectiveFailure.of(err, runtime.rank, runtime.world_size, activity,
+                                   runtime.collective_timeout_s) from None
     finally:
-        runtime.shutdown()
+        runtime.shutdown(after_collective_failure=failed)
+
+
+@contextlib.contextmanager
+def _run_lock(cfg: TrainConfig, runtime: Runtime, note: Any) -> Iterator[Optional[RunLock]]:
+    """Rank 0 holds run_dir's lock while the launch runs (the others get None); a refusal is raised
+    on every rank. `note` hears about a stale lock taken over."""
+    held: list[Optional[RunLock]] = [None]
+
+    def take() -> None:
+        held[0] = RunLock.acquire(Path(cfg.run_dir), cfg.run_lock.stale_after_s, cfg.run_lock.force, note)
+
+    if runtime.distributed:
+        Coordinator().rank0_decides(take)
+    else:
+        take()
+    try:
+        yield held[0]
+    finally:
+        if held[0] is not None:
+            held[0].release()
 
 
 def _has_steps_to_run(plans: list[StagePlan], step: int, max_steps: Optional[int]) -> bool:

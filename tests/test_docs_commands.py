@@ -1,0 +1,249 @@
+"""Every command the docs show runs: the shell commands of README.md, data/README.md and
+docs/*.md (```bash blocks and indented code blocks) and the examples in launch/ comments.
+
+`COMMANDS` lists each one with how it is checked here; a command the docs gain without an
+entry, or an entry whose command left the docs, fails `test_every_documented_command_is_checked`.
+Runnable commands are run as written, by bash, in a scratch directory that links the repo's
+launch/ and data/ scripts (so relative run_dirs stay out of the repo), with small overrides
+appended (one step, tiny stages, no eval) and placeholders (`NAME`, `/data/...`) filled in.
+The others are GPU-only (the docs must say so next to them), need SLURM, or install packages.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", REPO / "data" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+LAUNCH = sorted((REPO / "launch").iterdir())
+PROGRAMS = ("moe-lc", "python", "python3", "bash", "sbatch", "torchrun", "pip", "srun")
+ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
+
+# appended to a training command: one step of a small first stage, nothing else
+ONE_STEP = "max_steps=1 eval.sequences=0 eval.passkey_documents=0 report.at_end=false logging.tensorboard=false " \
+           "logging.progress=none threads=1"
+SMOKE = f"curriculum.stages.ctx256.global_batch_tokens=512 curriculum.stages.ctx256.micro_batch=2 {ONE_STEP}"
+SMOKE_DP2 = f"curriculum.stages.ctx256.global_batch_tokens=512 curriculum.stages.ctx256.micro_batch=1 {ONE_STEP}"
+PROXY = ("model=tiny curriculum.stages.ctx8k.seq_len=256 curriculum.stages.ctx8k.global_batch_tokens=1024 "
+         f"data.synthetic_documents=8 {ONE_STEP}")
+PROXY_BENCH = ("model=tiny curriculum.stages.ctx8k.seq_len=256 curriculum.stages.ctx8k.global_batch_tokens=1024 "
+               "data.synthetic_documents=8 threads=1 --steps 1 --warmup 0")
+
+
+@dataclass(frozen=True)
+class Run:
+    """Run `command` (the documented one unless given, with placeholders filled) plus `extra`."""
+
+    extra: str = ""
+    command: Optional[str] = None
+    env: str = ""  # VAR=value ... in front
+
+
+@dataclass(frozen=True)
+class NotRun:
+    why: str
+    needs: Optional[str] = None  # a word the docs must say next to the command ("GPU")
+
+
+COMMANDS: dict[str, object] = {
+    # README.md
+    "pip install torch==2.13.0 && pip install -e . && moe-lc train":
+        Run(SMOKE, command="moe-lc train"),  # the installs are what .ci/run does before this suite
+    "moe-lc train --list": Run(),
+    "moe-lc train recipe=smoke optim.lr=1e-3 run_dir=runs/try": Run(SMOKE),
+    "moe-lc train curriculum.run=[ctx256,ctx1k]": Run(SMOKE),
+    "moe-lc train resume=auto": Run(SMOKE),
+    "moe-lc plan k3-8k": Run(),
+    "moe-lc bench proxy-8k --steps 10 --profile": Run(PROXY_BENCH),
+    "moe-lc report runs/smoke": Run(),
+    "moe-lc prepare-data corpus/*.jsonl --output-prefix data/mine --tokenizer tokenizer.json": Run(),
+    "moe-lc train data=custom 'data.sources=[{prefix: data/mine, weight: 1.0}]' data.tokenizer=tokenizer.json "
+    "run_dir=runs/mine":
+        Run(SMOKE + " model.vocab_size=512"),  # the test's tokenizer has 320 ids; tiny has 258
+    "bash launch/train_single_node.sh recipe=proxy-curriculum": Run(PROXY + " run_dir=runs/proxy-curriculum",
+                                                                     env="MAX_RESTARTS=0"),
+    "sbatch --nodes 4 launch/train.sbatch recipe=proxy-curriculum run_dir=/shared/runs/proxy":
+        NotRun("needs SLURM (test_the_sbatch_script_parses checks its syntax)"),
+    "bash .ci/run": NotRun("installs packages, then runs this suite"),
+    # data/README.md
+    "moe-lc prepare-data docs/*.txt more.jsonl.gz some_dir/ --output-prefix /data/mycorpus/train "
+    "--tokenizer path/to/tokenizer.json":
+        Run(command="moe-lc prepare-data docs/*.txt more.jsonl.gz some_dir/ --output-prefix mycorpus/train "
+                    "--tokenizer tokenizer.json"),
+    "data/prepare_corpus.sh /data/mix path/to/tokenizer.json web=/raw/web code=/raw/code.jsonl":
+        Run(command="data/prepare_corpus.sh mix tokenizer.json web=some_dir code=corpus/a.jsonl"),
+    # docs/training.md (a synopsis: each form with its placeholders filled)
+    "moe-lc train [recipe=NAME] [key=value ...]": Run(SMOKE, command="moe-lc train recipe=smoke run_dir=runs/synopsis"),
+    "moe-lc train --list | --cfg | --help": Run(command="moe-lc train --list && moe-lc train --cfg && moe-lc train --help"),
+    # every stage of the launch script's 2-rank example splits over its ranks (its run below is one step)
+    "moe-lc plan NAME [key=value ...]": Run(command="moe-lc plan smoke layout=dp2 "
+                                                    "curriculum.stages.ctx16k.global_batch_tokens=32768"),
+    "moe-lc bench NAME [key=value ...] [--profile]": Run(PROXY_BENCH, command="moe-lc bench proxy-8k --profile"),
+    "moe-lc report RUN_DIR [--out DIR]": Run(command="moe-lc report runs/smoke --out report-copy"),
+    # docs/performance.md: kernel and layer benchmarks
+    **{c: NotRun("GPU benchmarks (Triton kernels, CUDA timing)", needs="GPU") for c in (
+        "python benchmarks/bench_kda.py --out results/",
+        "python benchmarks/bench_kda.py --no-torch --no-check --shapes B8_T4K,B2_T16K,B1_T64K,B1_T256K,varlen_64K,B2_T8K_H64",
+        "python benchmarks/bench_kda.py --no-check --variants 'ktile_stages=2;vside_warps=8'",
+        "python benchmarks/bench_kda.py --no-check --seg-sweep --seg-shapes varlen_64K,B2_T16K,B1_T64K",
+        "python benchmarks/profile_kda.py --impls ours,fla",
+        "python benchmarks/bench_layer.py --profile 15",
+        "python benchmarks/bench_attention.py --out results/",
+        "python benchmarks/bench_attention.py --quick",
+        "python benchmarks/bench_attention.py --heads 16 --shapes T64K_docs24,T64K_docs256,T8K_single --variants "
+        "loop,varlen --fresh 4",
+        "TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 python benchmarks/bench_attention.py ...",
+    )},
+    # launch/ comments
+    "bash launch/train_single_node.sh recipe=proxy-8k": Run(PROXY + " run_dir=runs/proxy-8k", env="MAX_RESTARTS=0"),
+    "NPROC=2 bash launch/train_single_node.sh layout=dp2 curriculum.stages.ctx16k.global_batch_tokens=32768 "
+    "run_dir=runs/dp2":
+        Run(SMOKE_DP2, env="MAX_RESTARTS=0"),
+    "MASTER_ADDR=node001 NNODES=4 NODE_RANK=0 bash launch/train_multi_node.sh recipe=proxy-curriculum":
+        Run(PROXY + " run_dir=runs/multi", command="MASTER_ADDR=127.0.0.1 NNODES=1 NODE_RANK=0 bash "
+            "launch/train_multi_node.sh recipe=proxy-curriculum", env="GPUS_PER_NODE=1 MAX_RESTARTS=0 MASTER_PORT={port}"),
+}
+
+
+# ----------------------------------------------------------------------------- finding commands
+
+
+def _is_command(line: str) -> bool:
+    words = line.split()
+    while words and ENV_ASSIGNMENT.match(words[0]):
+        words = words[1:]
+    return bool(words) and (words[0] in PROGRAMS or words[0].endswith(".sh"))
+
+
+def _without_comment(line: str) -> str:
+    lexer = shlex.shlex(line, posix=False)
+    lexer.whitespace_split, lexer.commenters = True, "#"
+    return " ".join(lexer)
+
+
+def _joined(lines: list[str]) -> list[str]:
+    """Lines with their backslash continuations joined."""
+    out, pending = [], ""
+    for line in lines:
+        text = line.strip()
+        if text.endswith("\\"):
+            pending += text[:-1] + " "
+            continue
+        out.append(pending + text)
+        pending = ""
+    return out
+
+
+def _blocks(path: Path) -> list[tuple[list[str], str]]:
+    """The shell code blocks of a markdown file, each with the text just before it."""
+    lines, blocks = path.read_text().splitlines(), []
+    fence, body, before = None, [], []
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            if fence is None:
+                fence, body = line[3:].strip(), []
+            else:
+                if fence in ("bash", "sh", "shell", ""):
+                    blocks.append((body, "\n".join(lines[max(0, i - len(body) - 12) : i - len(body)])))
+                fence = None
+            continue
+        if fence is not None:
+            body.append(line)
+        elif line.startswith("    ") and (before or (i > 0 and not lines[i - 1].strip())):
+            before.append(line)
+        else:
+            if before:
+                start = i - len(before)
+                blocks.append((before, "\n".join(lines[max(0, start - 12) : start])))
+            before = []
+    return blocks
+
+
+def documented_commands() -> dict[str, str]:
+    """Command -> the text around it (for markers such as "GPU")."""
+    found: dict[str, str] = {}
+    for path in DOCS:
+        for body, context in _blocks(path):
+            for line in _joined(body):
+                if line and not line.startswith("#") and _is_command(line):
+                    found.setdefault(_without_comment(line), context + "\n" + "\n".join(body))
+    for path in LAUNCH:
+        comments = [line[1:] for line in path.read_text().splitlines() if line.startswith("#") and not line.startswith("#!")]
+        for line in _joined(comments):
+            if line.startswith(tuple(PROGRAMS)) or _is_command(line):
+                found.setdefault(_without_comment(line), "\n".join(comments))
+    return found
+
+
+def test_every_documented_command_is_checked():
+    found = documented_commands()
+    assert sorted(set(found) - set(COMMANDS)) == [], "commands in the docs without a check in COMMANDS"
+    assert sorted(set(COMMANDS) - set(found)) == [], "COMMANDS entries no longer in the docs"
+
+
+def test_commands_that_are_not_run_here_say_why_in_the_docs():
+    found = documented_commands()
+    for command, how in COMMANDS.items():
+        if isinstance(how, NotRun) and how.needs is not None:
+            assert how.needs in found[command], (command, how.needs)
+
+
+def test_the_sbatch_script_parses():
+    subprocess.run(["bash", "-n", str(REPO / "launch" / "train.sbatch")], check=True)
+
+
+# ----------------------------------------------------------------------------- running them
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    """A working directory with the repo's scripts, a small corpus and a tokenizer.json."""
+    from test_data_prepare import make_bpe_tokenizer
+
+    work = tmp_path_factory.mktemp("docs")
+    (work / "launch").symlink_to(REPO / "launch")
+    (work / "data").mkdir()
+    (work / "data" / "prepare_corpus.sh").symlink_to(REPO / "data" / "prepare_corpus.sh")
+    make_bpe_tokenizer(work / "tokenizer.json")
+    text = "def f(x):\n    return x + 1\n" * 400
+    for d in ("corpus", "docs", "some_dir"):
+        (work / d).mkdir()
+    (work / "corpus" / "a.jsonl").write_text("".join(json.dumps({"text": f"{i} {text}"}) + "\n" for i in range(40)))
+    (work / "docs" / "a.txt").write_text(text)
+    (work / "some_dir" / "b.txt").write_text(text[::-1])
+    with gzip.open(work / "more.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"text": text}) + "\n")
+    return work
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+RUNS = [(c, how) for c, how in COMMANDS.items() if isinstance(how, Run)]
+
+
+@pytest.mark.parametrize("command, how", RUNS, ids=[c[:60] for c, _ in RUNS])
+def test_a_documented_command_runs(command, how, scratch, tmp_path_factory):
+    line = how.command or command
+    if how.extra:  # after the last command of a && chain
+        line = f"{line} {how.extra}"
+    env_prefix = how.env.format(port=_free_port())
+    env = {**os.environ, "MOE_LC_CACHE": str(tmp_path_factory.getbasetemp() / "moe_lc_cache"), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    script = f"set -e; export {env_prefix}; {line}" if env_prefix else f"set -e; {line}"
+    proc = subprocess.run(["bash", "-c", script], cwd=scratch, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{line}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
