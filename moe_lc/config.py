@@ -24,7 +24,7 @@ def _require(cond: bool, msg: str) -> None:
 
 @dataclass
 class KDAConfig:
-    """Kimi Delta Attention (SPEC 2.2)."""
+    """Kimi Delta Attention (docs/design.md §2)."""
 
     num_heads: int = 2
     head_dim: int = 128
@@ -43,7 +43,7 @@ class KDAConfig:
 
 @dataclass
 class MLAConfig:
-    """Gated multi-head latent attention without positional encoding (SPEC 2.3)."""
+    """Gated multi-head latent attention without positional encoding (docs/design.md §3)."""
 
     num_heads: int = 2
     q_lora_rank: Optional[int] = None  # None: q projected directly from x
@@ -60,7 +60,7 @@ class MLAConfig:
 
 @dataclass
 class AttnResConfig:
-    """Attention residuals across depth (SPEC 2.4)."""
+    """Attention residuals across depth (docs/design.md §4)."""
 
     mode: str = "block"  # none | block | full
     block_size: int = 12  # decoder layers per block (mode=block)
@@ -68,7 +68,7 @@ class AttnResConfig:
 
 @dataclass
 class MoEConfig:
-    """Stable LatentMoE channel mixing (SPEC 2.5)."""
+    """Stable LatentMoE channel mixing (docs/design.md §5)."""
 
     num_routed: int = 8
     top_k: int = 2
@@ -82,7 +82,7 @@ class MoEConfig:
     situ_beta2: float = 25.0
     routing_scale: float = 1.0
     balancing: str = "qb"  # qb | sign | aux | none
-    qb_bins: int = 1024  # histogram bins of the QB estimator (SPEC 2.5)
+    qb_bins: int = 1024  # histogram bins of the QB estimator (docs/design.md §6.2)
     qb_exact: bool = False  # exact quantile instead of the histogram (single process only)
     qb_ema: float = 0.0  # 0 = no EMA over steps
     sign_rate: float = 1e-3  # sign-update step size
@@ -212,7 +212,7 @@ class ModelConfig:
 
 
 def default_layer_pattern(num_layers: int) -> str:
-    """Groups of KDA, KDA, KDA, MLA; the last layer is always MLA (SPEC 2.1)."""
+    """Groups of KDA, KDA, KDA, MLA; the last layer is always MLA (docs/design.md §1.1)."""
     letters = ["M" if (i + 1) % 4 == 0 else "K" for i in range(num_layers)]
     letters[-1] = "M"
     return "".join(letters)

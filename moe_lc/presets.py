@@ -1,4 +1,4 @@
-"""Named model presets (SPEC 2.7).
+"""Named model presets (docs/design.md §1.4).
 
 `k3` and `kimi-linear-48b` are for planning (accounting, meta-device builds, layout
 checks); `k3-small` keeps K3's shape ratios at a size that fills one H200 (honest MFU

@@ -1,4 +1,4 @@
-"""Expert load balancing (SPEC 2.5): exact and histogram Quantile Balancing, baselines, statistics."""
+"""Expert load balancing (docs/design.md §6): exact and histogram Quantile Balancing, baselines, statistics."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Model-level behaviour of the plain-PyTorch reference (SPEC 2)."""
+"""Model-level behaviour of the plain-PyTorch reference (docs/design.md §1-§7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Optimizers (SPEC 2.6): Newton-Schulz, Muon (per-head, per-expert, sharded), parameter groups,
+"""Optimizers (docs/design.md §7.6): Newton-Schulz, Muon (per-head, per-expert, sharded), parameter groups,
 the cosine schedule and gradient clipping."""
 
 from __future__ import annotations

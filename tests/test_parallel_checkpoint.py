@@ -1,4 +1,4 @@
-"""Checkpoints are layout-independent: dp_shard=2 x tp=2 (and ZeRO-1, EP) <-> one process (SPEC 3).
+"""Checkpoints are layout-independent: dp_shard=2 x tp=2 (and ZeRO-1, EP) <-> one process (docs/design.md §8.7).
 
 One process trains a step and saves; the ranks of a layout (e.g. FSDP2 over dp_shard, TP over tp) resume it
 and must produce the single-process next-step loss. The four ranks then save after their step

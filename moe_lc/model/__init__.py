@@ -1,1 +1,1 @@
-"""The model: one plain-PyTorch reference per piece (SPEC 2)."""
+"""The model: one plain-PyTorch reference per piece (docs/design.md §1-§7)."""

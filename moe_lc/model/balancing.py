@@ -1,4 +1,4 @@
-"""Expert load balancing for the routed experts (SPEC 2.5).
+"""Expert load balancing for the routed experts (docs/design.md §6).
 
 Selection is ``T_i = argtop_k(s_i + b)``. The bias ``b`` only decides *which* experts a
 token visits, never how much they weigh, and it gets no gradient.
@@ -9,7 +9,7 @@ Quantile Balancing (QB) sets ``b`` in one shot per step instead of nudging it:
   ``s_ij + b_j > alpha_i``, i.e. iff ``b_j`` exceeds the token's *required bias*
   ``r_ij = alpha_i - s_ij`` (the negative of the margin ``s_ij - alpha_i``).
 * The bias that hands expert j exactly its fair share ``q = m k / n`` of the step's m
-  tokens is therefore the (k/n)-quantile of ``r_{:,j}``. This is SPEC's
+  tokens is therefore the (k/n)-quantile of ``r_{:,j}``. This is docs/design.md §6.1's
   ``b_hat_j = -quantile_{1-k/n}(s_{:,j} - alpha)`` with the sign folded into r.
 * ``b = b_hat - mean(b_hat)``: routing ignores a common shift; centring keeps b bounded.
 
@@ -115,7 +115,7 @@ def centred(bias: Tensor) -> Tensor:
 
 
 def quantile_balance(scores: Tensor, bias: Tensor, top_k: int) -> Tensor:
-    """The exact QB update (SPEC 2.5 steps 1-3): new centred fp32 bias from one step's scores [m, n]."""
+    """The exact QB update (docs/design.md §6.1): new centred fp32 bias from one step's scores [m, n]."""
     _, cutoff = route_with_cutoff(scores, bias, top_k)
     b_hat = quantile_of_required_bias(required_bias(scores, cutoff), top_k)
     return centred(b_hat).float()
@@ -282,7 +282,7 @@ class QuantileHistogram(nn.Module):
 
 
 class ExpertBalancer(nn.Module):
-    """Selects experts with ``scores + bias`` and keeps that bias balanced (SPEC 2.5).
+    """Selects experts with ``scores + bias`` and keeps that bias balanced (docs/design.md §6).
 
     ``select`` routes (and, in training, accumulates the step's statistics); ``update`` is
     called by the trainer once per optimizer step after every micro-batch: it all-reduces

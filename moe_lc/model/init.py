@@ -1,4 +1,4 @@
-"""Model construction and initialisation (SPEC 2.2/2.4).
+"""Model construction and initialisation (docs/design.md §7.4).
 
 Build on the meta device first (no memory, so `k3` can be planned on a laptop), then
 materialise and initialise: normal(std) for projections, output projections scaled by

@@ -1,4 +1,4 @@
-"""The KDA token mixer (SPEC 2.2): gated delta-rule linear attention with per-channel decay.
+"""The KDA token mixer (docs/design.md §2): gated delta-rule linear attention with per-channel decay.
 
     q, k = L2Norm(SiLU(ShortConv(W x)))   v = SiLU(ShortConv(W_v x))   beta = sigmoid(W_beta x)
     (L2Norm(x) = x / sqrt(|x|^2 + 1e-6); norm, gate and sigmoid are fused into the KDA kernels)

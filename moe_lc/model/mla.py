@@ -1,4 +1,4 @@
-"""Gated multi-head latent attention with no positional encoding (SPEC 2.3).
+"""Gated multi-head latent attention with no positional encoding (docs/design.md §3).
 
     c_q = RMSNorm(W_dq x)         q = W_uq c_q            (or q = W_q x without q_lora_rank)
     c_kv = RMSNorm(W_dkv x)       [k_nope, v] = W_ukv c_kv

@@ -1,4 +1,4 @@
-"""Stable LatentMoE (SPEC 2.5).
+"""Stable LatentMoE (docs/design.md §5).
 
     s = sigmoid(W_r x)                    T = argtop_k(s + b)   (b selects only: no gradient, no weight)
     p_j = scale * s_j / sum_{r in T} s_r

@@ -196,7 +196,7 @@ def chunk_kda_torch(
     q = q * scale
     beta = layout.to_chunks(beta.to(compute), CHUNK_SIZE)[..., None]  # [N, R, H, C, 1]
 
-    # Everything that does not depend on the state, for all chunks at once (names as in SPEC 2.2).
+    # Everything that does not depend on the state, for all chunks at once (names as in docs/design.md §2.6).
     log_gamma = g.cumsum(-2)  # G_i: log-decay from chunk start through token i; Gamma = exp(G)
     log_to_end = _reverse_exclusive_cumsum(g, -2)  # G_C - G_i
     tile_decay = _TileDecay.build(g)

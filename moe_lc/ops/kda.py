@@ -1,4 +1,4 @@
-r"""Kimi Delta Attention (KDA): gate, token-by-token reference and chunkwise form (SPEC 2.2).
+r"""Kimi Delta Attention (KDA): gate, token-by-token reference and chunkwise form (docs/design.md §2.5-§2.6).
 
 Per head the state S (K x V) evolves as
 

@@ -1,4 +1,4 @@
-"""Optimizers (SPEC 2.6): AdamW, Muon with per-head blocks, the cosine schedule and gradient clipping."""
+"""Optimizers (docs/design.md §7.6): AdamW, Muon with per-head blocks, the cosine schedule and gradient clipping."""
 
 from moe_lc.optim.build import build_optimizer
 from moe_lc.optim.clip import clip_grad_norm

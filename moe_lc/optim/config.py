@@ -1,4 +1,4 @@
-"""Optimizer settings (SPEC 2.6): AdamW by default, Muon for hidden matrices, one cosine schedule."""
+"""Optimizer settings (docs/design.md §7.6): AdamW by default, Muon for hidden matrices, one cosine schedule."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ those two modules with vocabulary-parallel ones of its own):
   A parameter of a module type this file does not know also lands here: decay and
   Muon are opt-in.
 
-Per-head Muon (SPEC 2.6): attention projections are tagged with the size of one head's
+Per-head Muon (docs/design.md §7.6): attention projections are tagged with the size of one head's
 block (`head_dim`) and the axis that holds the heads (0: output rows [H * head_dim],
 1: input columns). A block size, not a head count: it stays right for a tensor-parallel
 shard holding H/tp heads and for checkpoints loaded under another layout.

@@ -1,4 +1,4 @@
-"""Muon for hidden matrices and AdamW for everything else, in one torch optimizer (SPEC 2.6).
+"""Muon for hidden matrices and AdamW for everything else, in one torch optimizer (docs/design.md §7.6).
 
 Muon group (use_muon=True), per parameter W with gradient G:
 

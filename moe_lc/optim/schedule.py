@@ -1,4 +1,4 @@
-"""One learning-rate schedule over the whole curriculum (SPEC 2.6): linear warmup, then cosine to min_lr.
+"""One learning-rate schedule over the whole curriculum (docs/design.md §7.6): linear warmup, then cosine to min_lr.
 
 With W warmup steps and N steps in all (0-based step s, the step about to be taken):
 

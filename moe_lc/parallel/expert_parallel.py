@@ -1,4 +1,4 @@
-"""Expert parallelism for LatentMoE (SPEC 2.5, 3): routed experts sharded over the ep group.
+"""Expert parallelism for LatentMoE (docs/design.md §5.4, §8.2): routed experts sharded over the ep group.
 
 Rank r of an ep group of size P holds experts [r n/P, (r+1) n/P) (dim 0 of the stacked
 weights). A step of ``LatentMoE.routed`` becomes, dropless:

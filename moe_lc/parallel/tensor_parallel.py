@@ -1,4 +1,4 @@
-"""Tensor parallelism with sequence parallelism (SPEC 3), applied from outside the model.
+"""Tensor parallelism with sequence parallelism (docs/design.md §8.3), applied from outside the model.
 
 Regions. Between decoder sublayers the residual stream is split along the sequence over the
 tp ranks (SP): norms, AttnRes mixers, the router, the latent projections and the routed
