@@ -34,6 +34,9 @@ _CAUSES: dict[int, tuple[str, str]] = {
 }
 
 
+RUN_DIR_FIX = "or set run_dir=... to a directory you can write"
+
+
 class StorageError(OSError):
     """A filesystem refused a read or write; the message names the path, the cause and the fix."""
 

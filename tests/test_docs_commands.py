@@ -91,6 +91,21 @@ COMMANDS: dict[str, object] = {
                                                     "curriculum.stages.ctx16k.global_batch_tokens=32768"),
     "moe-lc bench NAME [key=value ...] [--profile]": Run(PROXY_BENCH, command="moe-lc bench proxy-8k --profile"),
     "moe-lc report RUN_DIR [--out DIR]": Run(command="moe-lc report runs/smoke --out report-copy"),
+    "moe-lc plan NAME --gpus 1024 --gpu-memory 141": Run(command="moe-lc plan proxy-8k --gpus 1024 --gpu-memory 141"),
+    # README.md, docs/parallelism.md: the planner's search
+    "moe-lc plan k3-8k --gpus 1024 --gpu-memory 141": Run(),
+    "moe-lc plan RECIPE [key=value ...] --gpus N [--gpu-memory G] [--gpu h100|h200] [--gpus-per-node 8]":
+        Run(command="moe-lc plan proxy-8k optim.lr=1e-3 --gpus 16 --gpu-memory 80 --gpu h100 --gpus-per-node 8 "
+                    "--interconnect ib400 --margin 0.1 --runners-up 3"),
+    # docs/testing.md
+    "python3 -m pytest -q tests": NotRun("this suite"),
+    "python3 -m pytest -q tests/test_reference_layers.py tests/test_reference_model.py": NotRun("part of this suite"),
+    "python3 tests/mutation/mutate.py --check": Run(command=f"cd {REPO} && python3 tests/mutation/mutate.py --check"),
+    **{c: NotRun("runs test files once per mutant (minutes to ~20 min); --check above runs the same program") for c in (
+        "python3 tests/mutation/mutate.py",
+        "python3 tests/mutation/mutate.py --only router-softmax mla-scale-dropped",
+        "python3 tests/mutation/mutate.py --only situ-betas-swapped --tests tests/test_model.py",
+    )},
     # docs/performance.md: kernel and layer benchmarks
     **{c: NotRun("GPU benchmarks (Triton kernels, CUDA timing)", needs="GPU") for c in (
         "python benchmarks/bench_kda.py --out results/",

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from moe_lc.config import ConfigError
+from moe_lc.storage import RUN_DIR_FIX, check_path, reported
 
 LOCK_FILE = "run.lock"
 TAKEOVER_ATTEMPTS = 5
@@ -132,8 +133,9 @@ class RunLock:
 
         RunLockHeld when a live trainer holds it.
         """
-        run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = check_path(run_dir, "run_dir")
+        with reported(run_dir, "create the run directory", RUN_DIR_FIX):
+            run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / LOCK_FILE
         me = LockHolder.of_this_process()
         for _ in range(TAKEOVER_ATTEMPTS):

@@ -30,7 +30,7 @@ from typing import Any, Optional, TextIO
 
 from moe_lc.metrics import JsonlWriter, MetricSinks, Progress
 from moe_lc.metrics.sinks import LAUNCHES_FILE
-from moe_lc.storage import check_path, reported
+from moe_lc.storage import RUN_DIR_FIX, check_path, reported
 from moe_lc.train.config import TrainConfig
 from moe_lc.train.recipes import config_to_dict
 
@@ -38,7 +38,6 @@ LOGGER_NAME = "moe_lc.train.run"
 LOG_FILE = "train.log"
 CONFIG_FILE = "config.json"
 TIMESTAMP = "%Y-%m-%d %H:%M:%S"
-_MOVE_HINT = "or set run_dir=... to a directory you can write"
 TENSORBOARD_MISSING = (
     "note: logging.tensorboard=true but the tensorboard package is not installed "
     "(pip install 'moe-lc[tensorboard]'); no TensorBoard events are written"
@@ -100,7 +99,7 @@ class RunLog:
         and config.json is written. Nothing is truncated or deleted.
         """
         run_dir = check_path(cfg.run_dir, "run_dir")
-        with reported(run_dir, "create the run directory", _MOVE_HINT):
+        with reported(run_dir, "create the run directory", RUN_DIR_FIX):
             run_dir.mkdir(parents=True, exist_ok=True)
             log_file = logging.FileHandler(run_dir / LOG_FILE, mode="a", encoding="utf-8")
         progress = Progress(total_steps, cfg.logging.progress, cfg.logging.every, stream or sys.stdout)
@@ -204,7 +203,7 @@ def _open_metrics(cfg: TrainConfig, run_dir: Path, launch: str, start_step: int)
     launches.write({"launch": launch, "start_step": start_step, "time": time.time(), "host": socket.gethostname()})
     launches.close()
     config = config_to_dict(cfg)
-    with reported(run_dir / CONFIG_FILE, f"write {CONFIG_FILE}", _MOVE_HINT):
+    with reported(run_dir / CONFIG_FILE, f"write {CONFIG_FILE}", RUN_DIR_FIX):
         (run_dir / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
     return MetricSinks(
         run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
