@@ -116,24 +116,33 @@ def causal_keys_per_token(doc_lengths: Iterable[int]) -> float:
     return sum(n * (n + 1) / 2 for n in lengths) / tokens
 
 
+def token_mixing_flops(cfg: ModelConfig, kind: str, seq_len: int, keys_per_token: Optional[float] = None) -> float:
+    """Forward FLOPs per token of one token mixer's sequence-dependent work (not in the parameter count):
+    ``kind`` "M" (causal softmax attention) or "K" (the KDA chunked recurrence)."""
+    if kind == "M":
+        m = cfg.mla
+        avg_keys = (seq_len + 1) / 2 if keys_per_token is None else keys_per_token
+        return 2 * m.num_heads * (m.qk_dim + m.v_dim) * avg_keys
+    k = cfg.kda
+    K = V = k.head_dim
+    c = min(KDA_CHUNK, seq_len)
+    # inter-chunk: q.S, k.S (for W S), state update k^T(U - W S): 3 matvec-sized products of K x V
+    # intra-chunk (per token, over c/2 earlier tokens on average): QK^T, KK^T, attention x (U - W S)
+    # and the triangular solve of the UT transform.
+    return k.num_heads * (2 * 3 * K * V + 2 * (c / 2) * (2 * K + V) + c * c / 3)
+
+
 def mixing_flops_per_token(cfg: ModelConfig, seq_len: int, keys_per_token: Optional[float] = None) -> float:
     """Forward FLOPs per token of the sequence-dependent token mixing (not in the parameter count).
 
     keys_per_token: mean keys per query (:func:`causal_keys_per_token` of the batch's documents);
     None means one document per sequence, (seq_len + 1) / 2.
     """
-    m, k = cfg.mla, cfg.kda
-    avg_keys = (seq_len + 1) / 2 if keys_per_token is None else keys_per_token
-    mla = 2 * m.num_heads * (m.qk_dim + m.v_dim) * avg_keys
-    K = V = k.head_dim
-    c = min(KDA_CHUNK, seq_len)
-    # inter-chunk: q.S, k.S (for W S), state update k^T(U - W S): 3 matvec-sized products of K x V
-    # intra-chunk (per token, over c/2 earlier tokens on average): QK^T, KK^T, attention x (U - W S)
-    # and the triangular solve of the UT transform.
-    kda = k.num_heads * (2 * 3 * K * V + 2 * (c / 2) * (2 * K + V) + c * c / 3)
     n_mla = cfg.pattern.count("M")
     n_kda = cfg.pattern.count("K")
-    return n_mla * mla + n_kda * kda
+    return n_mla * token_mixing_flops(cfg, "M", seq_len, keys_per_token) + n_kda * token_mixing_flops(
+        cfg, "K", seq_len, keys_per_token
+    )
 
 
 def _elementwise_params(cfg: ModelConfig, kind: str, moe: bool) -> int:
@@ -149,11 +158,47 @@ def _elementwise_params(cfg: ModelConfig, kind: str, moe: bool) -> int:
     return mixer + latent_norm
 
 
+def layer_matmul_parameters(cfg: ModelConfig, layer_idx: int) -> int:
+    """Active parameters of decoder layer ``layer_idx`` that multiply activations in a matmul (its token
+    mixer, its dense FFN or the k routed experts, shared experts, router and latent projections of its
+    LatentMoE); ``layer_idx = num_layers`` is the MTP layer (Gated MLA)."""
+    kind = cfg.pattern[layer_idx] if layer_idx < cfg.num_layers else "M"
+    dense = cfg.is_dense_layer(layer_idx)
+    mixer = _kda_params(cfg) if kind == "K" else _mla_params(cfg)
+    if dense:
+        ffn = 3 * cfg.d_model * cfg.moe.dense_hidden
+    else:
+        moe_dense, one_expert, _ = _moe_params(cfg)
+        ffn = moe_dense + cfg.moe.top_k * one_expert
+    return mixer + ffn - _elementwise_params(cfg, kind, not dense)
+
+
 def matmul_parameters(cfg: ModelConfig) -> int:
-    """Active parameters that multiply activations in a matmul: 2 FLOPs per token each, forward."""
-    rep = count_parameters(cfg)
-    elementwise = sum(_elementwise_params(cfg, kind, not cfg.is_dense_layer(i)) for i, kind in enumerate(cfg.pattern))
-    return rep.active - rep.active_by_component["norms_and_attn_res"] - elementwise
+    """Active parameters that multiply activations in a matmul: 2 FLOPs per token each, forward. The
+    decoder layers' and the LM head's (the embedding is a lookup; MTP is not counted as active)."""
+    cfg.validate()
+    return sum(layer_matmul_parameters(cfg, i) for i in range(cfg.num_layers)) + cfg.padded_vocab_size * cfg.d_model
+
+
+def layer_training_flops(cfg: ModelConfig, layer_idx: int, seq_len: int, keys_per_token: Optional[float] = None) -> float:
+    """Forward + backward FLOPs per token of decoder layer ``layer_idx`` (``num_layers``: the MTP layer)."""
+    kind = cfg.pattern[layer_idx] if layer_idx < cfg.num_layers else "M"
+    return 3.0 * (2.0 * layer_matmul_parameters(cfg, layer_idx) + token_mixing_flops(cfg, kind, seq_len, keys_per_token))
+
+
+def head_training_flops(cfg: ModelConfig) -> float:
+    """Forward + backward FLOPs per token of the LM head (over the padded vocabulary) and its loss."""
+    return 3.0 * 2.0 * cfg.padded_vocab_size * cfg.d_model
+
+
+def mtp_training_flops(cfg: ModelConfig, seq_len: int, keys_per_token: Optional[float] = None) -> float:
+    """Forward + backward FLOPs per token of multi-token prediction (0 without it): the projection of
+    [hidden; next embedding], its decoder layer and a second pass through the LM head. Not part of
+    `training_flops_per_token` (MTP is a training-time extra, like its parameters in the active count)."""
+    if not cfg.mtp:
+        return 0.0
+    projection = 3.0 * 2.0 * (2 * cfg.d_model) * cfg.d_model
+    return projection + layer_training_flops(cfg, cfg.num_layers, seq_len, keys_per_token) + head_training_flops(cfg)
 
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int, keys_per_token: Optional[float] = None) -> float:

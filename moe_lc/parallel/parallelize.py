@@ -1,11 +1,13 @@
-"""``parallelize(model, layout, mesh, checkpointing)``: TP/SP, EP, activation checkpointing and data
+"""``parallelize(model, layout, mesh, checkpointing)``: PP, TP/SP, EP, activation checkpointing and data
 parallelism around an unchanged model.
 
-Order: tensor parallelism (DTensor parameters on the tp mesh, sequence-parallel regions,
-vocab-parallel embedding/head/loss), expert parallelism (expert weights on the ep mesh, the
-all-to-all dispatch), local-parameter hooks, activation checkpointing of the decoder layers
-(a recompute then reruns the hooks and collectives above, inside the layer), then FSDP2 (it must
-come last: it wraps DTensor parameters from the same root mesh and its hooks must run outside ours).
+Order: the pipeline split (the rank keeps only its stages' parts of the model, under their names),
+tensor parallelism (DTensor parameters on the tp mesh, sequence-parallel regions, vocab-parallel
+embedding/head/loss), expert parallelism (expert weights on the ep mesh, the all-to-all dispatch),
+local-parameter hooks, activation checkpointing of the decoder layers (a recompute then reruns the
+hooks and collectives above, inside the layer), the pipeline's stage modules (views of the layers
+as they now are), then FSDP2 (it must come last: it wraps DTensor parameters from the same root
+mesh and its hooks must run outside ours; under a pipeline each stage is a root).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from moe_lc.parallel.expert_parallel import apply_expert_parallel
 from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.parallel.local_params import expose_all_local_parameters
 from moe_lc.parallel.mesh import build_expert_mesh, dims_group
+from moe_lc.parallel.pipeline_runtime import Pipeline
+from moe_lc.parallel.pipeline_stage import build_stages, keep_stage_parts, plan_pipeline
 from moe_lc.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -35,6 +39,7 @@ class ParallelContext:
     mesh: DeviceMesh
     expert_mesh: DeviceMesh
     dp_groups: DataParallelGroups
+    pipeline: Optional[Pipeline] = None  # this rank's pipeline stages (pp > 1)
 
 
 def parallelize(
@@ -42,12 +47,16 @@ def parallelize(
     layout: ParallelLayout,
     mesh: DeviceMesh,
     checkpointing: Optional[ActivationCheckpointing] = None,
+    seq_len: Optional[int] = None,
 ) -> MoELCModel:
     """Apply ``layout`` and the activation ``checkpointing`` policy (None: none) to ``model`` in place
     (and return it). Every rank must pass an identical model.
 
     The model must be materialised (not meta) with identical weights on every rank (same seed).
     ``layout`` is resolved for the mesh's world (dp_shard=-1 filled); the context keeps the result.
+    With pp > 1 the model keeps this rank's stages only and is trained through
+    ``parallel_context(model).pipeline``; ``seq_len`` is the sequence length the stages are balanced
+    for (attention's cost grows with it; None: 4096), unless the layout lists ``pp_stage_layers``.
     """
     if getattr(model, "moe_lc_parallel", None) is not None:
         raise ConfigError("this model is already parallelized; build a fresh model for another layout")
@@ -55,6 +64,11 @@ def parallelize(
     if any(p.is_meta for p in model.parameters()):
         raise ConfigError("parallelize needs materialised weights: build the model with build_model(cfg, device)")
     expert_mesh = build_expert_mesh(layout, mesh)
+    compute_dtype = _compute_dtype(model, layout, mesh.device_type)
+    pipeline_plan = plan_pipeline(model.cfg, layout, seq_len, checkpointing) if layout.pp > 1 else None
+    pp_rank = mesh.get_local_rank("pp")
+    if pipeline_plan is not None:
+        keep_stage_parts(model, pipeline_plan.layers, pipeline_plan.stages_of(pp_rank))
 
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
@@ -62,6 +76,7 @@ def parallelize(
         apply_expert_parallel(model, expert_mesh["ep"])
     expose_all_local_parameters(model)
     apply_activation_checkpointing(model, checkpointing or ActivationCheckpointing())
+    stages = build_stages(model, pipeline_plan, pp_rank) if pipeline_plan is not None else None
 
     expert_params = {id(p) for m in model.modules() if isinstance(m, LatentMoE) for p in m.experts.parameters()}
     dp_groups = DataParallelGroups(
@@ -75,13 +90,25 @@ def parallelize(
             _fsdp_mesh(mesh, "dp_shard"),
             _fsdp_mesh(expert_mesh, "edp"),
             mixed_precision_policy(layout.param_dtype, mesh.device_type),
+            roots=list(stages.values()) if stages is not None else None,
         )
         # FSDP replaced the parameter objects: record the experts' new ones.
         dp_groups.expert_params = {
             id(p) for m in model.modules() if isinstance(m, LatentMoE) for p in m.experts.parameters()
         }
-    model.moe_lc_parallel = ParallelContext(layout, mesh, expert_mesh, dp_groups)
+    pipeline = None
+    if stages is not None:
+        pipeline = Pipeline(model, layout, pipeline_plan.boundaries, stages, mesh.get_group("pp"), compute_dtype)
+    model.moe_lc_parallel = ParallelContext(layout, mesh, expert_mesh, dp_groups, pipeline)
     return model
+
+
+def _compute_dtype(model: MoELCModel, layout: ParallelLayout, device_type: str):
+    """The dtype the parameters compute in: FSDP's unsharded dtype, else the weights'."""
+    weights = next(model.parameters()).dtype
+    if layout.dp_mode != "fsdp":
+        return weights
+    return mixed_precision_policy(layout.param_dtype, device_type).param_dtype or weights
 
 
 def _fsdp_mesh(mesh: DeviceMesh, shard_dim: str) -> DeviceMesh:

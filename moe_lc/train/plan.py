@@ -24,14 +24,11 @@ from dataclasses import dataclass
 from moe_lc.model.accounting import count_parameters, training_flops_per_token
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointMode
 from moe_lc.parallel.activation_memory import (
-    GPU_AUTOCAST,
-    GPU_BF16_WEIGHTS,
-    ExecutionPath,
     backward_working_bytes_per_token,
     estimate_activations,
+    gpu_execution_path,
     layer_activations,
 )
-from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.train.config import TrainConfig
 from moe_lc.train.curriculum import StagePlan, plan_curriculum, total_steps
 
@@ -40,13 +37,6 @@ H200_BF16_PEAK = 989e12
 PLAN_MFU = 0.4  # assumed model FLOP utilisation for the time estimate
 LOSS_CHUNK_ELEMENTS = 1 << 28  # MoELCModel.loss_chunk_elements: logits computed (and recomputed) per chunk
 LOSS_BYTES_PER_LOGIT = 2 + 4 + 4  # bf16 logits, their fp32 log-probabilities and gradient, one chunk at a time
-
-
-def gpu_execution_path(layout: ParallelLayout) -> ExecutionPath:
-    """How the layers run on GPUs under ``layout``: FSDP with bf16 compute weights, else fp32 weights
-    under bf16 autocast (one process, ZeRO-1, or FSDP with param_dtype float32)."""
-    bf16_weights = layout.world_size > 1 and layout.dp_mode == "fsdp" and layout.param_dtype in ("auto", "bfloat16")
-    return GPU_BF16_WEIGHTS if bf16_weights else GPU_AUTOCAST
 
 
 @dataclass
