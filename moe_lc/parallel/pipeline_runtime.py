@@ -344,6 +344,33 @@ class Pipeline:
 
     # ------------------------------------------------------------------ after the step
 
+    @property
+    def has_first(self) -> bool:
+        """This rank holds the first stage (it embeds the input ids)."""
+        return 0 in self.stages
+
+    @property
+    def has_last(self) -> bool:
+        """This rank holds the last stage (it reads the labels)."""
+        return self.last in self.stages
+
+    def routing_statistics(self) -> tuple[Tensor, Tensor]:
+        """MaxVio [layers] and expert loads [layers, experts] of every MoE layer of the whole model (the
+        MTP layer last), each rank filling its stages' layers: one sum over the pipeline."""
+        cfg = self.model.cfg
+        order = [i for i in range(cfg.num_layers + int(cfg.mtp)) if not cfg.is_dense_layer(i)]
+        mine = [(layer.layer_idx, layer.ffn.balancer) for layer in self.model.layers if layer.is_moe]
+        if self.model.mtp is not None and self.model.mtp.layer.is_moe:
+            mine.append((cfg.num_layers, self.model.mtp.layer.ffn.balancer))
+        device = next(self.model.parameters()).device
+        table = torch.zeros(len(order), 1 + cfg.moe.num_routed, dtype=torch.float64, device=device)
+        for index, balancer in mine:
+            row = order.index(index)
+            table[row, 0] = balancer.last_maxvio.double()
+            table[row, 1:] = balancer.last_loads.double()
+        dist.all_reduce(table, group=self.group)
+        return table[:, 0], table[:, 1:]
+
     def embedding_copy(self) -> Optional[nn.Parameter]:
         """The last stage's copy of the embedding on this rank, when the first stage is on another rank
         (MTP reads it); its gradient is summed with the first stage's by `finish_gradient_sync`."""

@@ -66,6 +66,11 @@ def _torch_schedules():
     return schedules
 
 
+def schedule_available(schedule: PipelineSchedule) -> bool:
+    """Whether this torch has the schedule's class."""
+    return getattr(_torch_schedules(), KINDS[PipelineSchedule(schedule)].torch_class, None) is not None
+
+
 def check_schedule(schedule: PipelineSchedule, stages_per_rank: int, needs_torch: bool = True) -> None:
     """ConfigError unless ``schedule`` can run ``stages_per_rank`` stages per rank (and, with
     ``needs_torch``, this torch has it)."""
@@ -77,7 +82,7 @@ def check_schedule(schedule: PipelineSchedule, stages_per_rank: int, needs_torch
             f"layout.pp_schedule={schedule} runs {wanted} stage(s) per rank, not pp_stages_per_rank="
             f"{stages_per_rank}; set pp_stages_per_rank={least} (or null) or choose another schedule"
         )
-    if needs_torch and getattr(_torch_schedules(), kind.torch_class, None) is None:
+    if needs_torch and not schedule_available(schedule):
         import torch
 
         raise ConfigError(
