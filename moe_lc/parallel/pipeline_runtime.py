@@ -20,8 +20,10 @@ Data parallelism inside a stage: FSDP reduces a unit's gradients in the last bac
 the unit on this rank (its sync is off before). FSDP reduces a unit when the gradient reaches its
 inputs, which under a split backward comes before the weight gradients exist, so with FSDP the
 zero-bubble schedules run each backward whole at its I slot (W does nothing); ZeRO-1 keeps the
-split. The weight split is torch's (`torch.distributed.pipelining._backward`); a torch without it
-runs whole backwards too.
+split. So does full activation checkpointing; selective checkpointing allows one backward per
+region and runs whole backwards too. The weight split is torch's
+(`torch.distributed.pipelining._backward`; a torch without it runs whole backwards); the first
+stage has no input gradient to compute, so its whole backward runs at W.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from moe_lc.parallel.activation_checkpointing import CheckpointMode, activation_checkpointing_of
 from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.parallel.pipeline_schedule import (
     BACKWARD,
@@ -115,8 +118,7 @@ class Pipeline:
         self.last = len(self.plans) - 1
         self.fsdp_units = {k: [m for m in stage.modules() if isinstance(m, FSDPModule)] for k, stage in stages.items()}
         uses_fsdp = any(self.fsdp_units.values())
-        self.split_backward = (KINDS[layout.pp_schedule].splits_backward and not uses_fsdp
-                               and stage_backward_input is not None)
+        self._can_split = KINDS[layout.pp_schedule].splits_backward and not uses_fsdp and stage_backward_input is not None
         self._max_tensors = 1 + max(p.tensors() for p in self.plans)
 
     # ------------------------------------------------------------------ one step
@@ -136,13 +138,14 @@ class Pipeline:
         actions = rank_actions(self.layout.pp_schedule, self.layout.pp, self.layout.stages_per_rank, len(batches),
                                self.rank)
         last_backward = self._last_backward_of_units(actions)
+        split = self.splits_backward
         for index, action in enumerate(actions):
             if action.kind == FORWARD:
                 with autocast():
                     self._forward(step, action)
             elif action.kind in (BACKWARD, BACKWARD_INPUT):
                 self._set_gradient_sync(last_backward, index)
-                self._backward(step, action, split=self.split_backward and action.kind == BACKWARD_INPUT)
+                self._backward(step, action, split=split and action.kind == BACKWARD_INPUT)
             elif action.kind == BACKWARD_WEIGHT:
                 self._weights(step, action)
             elif action.kind in (SEND_F, SEND_B):
@@ -156,6 +159,12 @@ class Pipeline:
             raise RuntimeError(f"pipeline step ended with gradients or messages nobody used (micro-batch: sources "
                                f"{leftover}, unread {sorted(step.inbox)}); the schedule's order is inconsistent")
         return step.lm_sum, step.extra_sum
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether I and W run apart: a zero-bubble schedule, no FSDP, and no selective activation
+        checkpointing (its recompute serves one backward pass per region)."""
+        return self._can_split and activation_checkpointing_of(self.model).mode != CheckpointMode.selective
 
     # ------------------------------------------------------------------ forward
 
@@ -240,9 +249,13 @@ class Pipeline:
         if not roots:
             raise RuntimeError(f"stage {k} got no gradient for micro-batch {m}")
         leaves = [leaf for _, leaf in record.received] + [leaf for _, leaf in record.reused]
-        if split:
+        if split and not leaves:  # the first stage: no input gradient to hurry, its whole backward is W's
+            step.weight_work[(k, m)] = (roots, root_grads)
+            grads = []
+        elif split:
             weights = self.stages[k].weights()
-            grads, step.weight_work[(k, m)] = stage_backward_input(roots, root_grads, leaves, iter(weights))
+            grads, param_groups = stage_backward_input(roots, root_grads, leaves, iter(weights))
+            step.weight_work[(k, m)] = param_groups
             grads = list(grads)
         else:
             torch.autograd.backward(roots, root_grads)
@@ -271,7 +284,9 @@ class Pipeline:
 
     def _weights(self, step: _Step, action: Action) -> None:
         work = step.weight_work.pop((action.stage, action.micro), None)
-        if work is not None:
+        if isinstance(work, tuple):  # a backward left whole for W
+            torch.autograd.backward(*work)
+        elif work is not None:
             stage_backward_weight(iter(self.stages[action.stage].weights()), work)
 
     # ------------------------------------------------------------------ communication

@@ -29,6 +29,7 @@ from moe_lc.parallel.activation_memory import (
     gpu_execution_path,
     layer_activations,
 )
+from moe_lc.parallel.pipeline_split import describe_split, pipeline_split
 from moe_lc.train.config import TrainConfig
 from moe_lc.train.curriculum import StagePlan, plan_curriculum, total_steps
 
@@ -137,6 +138,12 @@ def plan_text(cfg: TrainConfig, world_size: int) -> str:
             f"  bwd {est.backward_gib:6.2f}  logits {est.logits_gib:5.2f}  => {est.total_gib:8.2f}"
             f"  ({alternatives})   ~{hours:,.1f} h on {p.layout.world_size} H200 at {PLAN_MFU:.0%} MFU"
         )
+    for p in plans:
+        if p.layout.pp > 1:
+            ranges = pipeline_split(cfg.model, p.layout, p.seq_len, p.checkpointing)
+            lines += ["", f"pipeline stages of {p.name} (balanced for seq_len {p.seq_len} unless "
+                          f"layout.pp_stage_layers lists them): "
+                          + describe_split(cfg.model, p.layout, ranges, p.seq_len, p.checkpointing)]
     lowered = {p.name: p.layout.lowered_from(p.requested) for p in plans}
     fitted = "; ".join(f"{name} {', '.join(changes)}" for name, changes in lowered.items() if changes)
     if fitted:
