@@ -241,6 +241,9 @@ def test_boundary_bytes_per_token():
     assert (v[9].held, list(v[9].sent), v[9].tensors()) == (2, [2, 3, 4], 4)
     assert boundary_bytes_per_token(cfg, v[9], 2) == 7168 * 4 * 2
     assert boundary_bytes_per_token(cfg, plans[0], 2) == 0
+    # ZBV over 8 ranks: stage 8 follows stage 7 on rank 7 (the V's turn), nothing crosses ranks there
+    zbv = boundary_plans(cfg, layers, stage_ranks("zbv", 8, 2))
+    assert zbv[8].local and zbv[8].tensors() == 0 and not zbv[9].local
 
 
 # ----------------------------------------------------------------------------- the split

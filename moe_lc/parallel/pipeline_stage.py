@@ -60,6 +60,7 @@ class BoundaryPlan:
     sources: int  # completed sources at the stage's input
     partial: bool  # the input has a partial sum
     held: int  # sources 0 .. held - 1 are on the rank already (from its earlier stage on this micro-batch)
+    local: bool = False  # the previous stage is on the same rank (the V's turn): nothing crosses ranks
 
     @property
     def sent(self) -> range:
@@ -67,8 +68,8 @@ class BoundaryPlan:
         return range(self.held, self.sources)
 
     def tensors(self) -> int:
-        """Tensors of [tokens, d] crossing into this stage (0 for the first stage)."""
-        return 0 if self.stage == 0 else len(self.sent) + int(self.partial)
+        """Tensors of [tokens, d] that cross ranks into this stage (0 for the first stage and a local boundary)."""
+        return 0 if self.stage == 0 or self.local else len(self.sent) + int(self.partial)
 
 
 def boundary_plans(cfg: ModelConfig, stage_layers: Sequence[range], ranks: Sequence[int]) -> list[BoundaryPlan]:
@@ -78,7 +79,8 @@ def boundary_plans(cfg: ModelConfig, stage_layers: Sequence[range], ranks: Seque
         sources, partial = sources_before(cfg, layers.start)
         earlier = [j for j in range(k) if ranks[j] == ranks[k]]
         held = sources_before(cfg, stage_layers[earlier[-1]].stop)[0] if earlier else 0
-        plans.append(BoundaryPlan(k, ranks[k], layers, sources, partial, held if k > 0 else 0))
+        local = k > 0 and ranks[k - 1] == ranks[k]
+        plans.append(BoundaryPlan(k, ranks[k], layers, sources, partial, held if k > 0 else 0, local))
     return plans
 
 

@@ -98,6 +98,23 @@ def estimate_stage(cfg: TrainConfig, stage: StagePlan) -> StageEstimate:
     )
 
 
+def _pipeline_splits(cfg: TrainConfig, plans: list[StagePlan]) -> list[str]:
+    """The stage split of each pipelined layout, as the trainer builds it: once per run of curriculum
+    stages with the same layout, balanced for the first one's sequence length and policy."""
+    lines, built = [], None
+    for i, p in enumerate(plans):
+        if p.layout.pp == 1 or p.layout == built:
+            built = p.layout if p.layout.pp > 1 else None
+            continue
+        built = p.layout
+        users = [q.name for q in plans[i:] if q.layout == p.layout]
+        ranges = pipeline_split(cfg.model, p.layout, p.seq_len, p.checkpointing)
+        how = "as listed" if p.layout.pp_stage_layers is not None else f"balanced for seq_len {p.seq_len}"
+        lines += ["", f"pipeline stages for {', '.join(users)} ({how}): "
+                      + describe_split(cfg.model, p.layout, ranges, p.seq_len, p.checkpointing)]
+    return lines
+
+
 def _human(n: float) -> str:
     for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= div:
@@ -138,12 +155,7 @@ def plan_text(cfg: TrainConfig, world_size: int) -> str:
             f"  bwd {est.backward_gib:6.2f}  logits {est.logits_gib:5.2f}  => {est.total_gib:8.2f}"
             f"  ({alternatives})   ~{hours:,.1f} h on {p.layout.world_size} H200 at {PLAN_MFU:.0%} MFU"
         )
-    for p in plans:
-        if p.layout.pp > 1:
-            ranges = pipeline_split(cfg.model, p.layout, p.seq_len, p.checkpointing)
-            lines += ["", f"pipeline stages of {p.name} (balanced for seq_len {p.seq_len} unless "
-                          f"layout.pp_stage_layers lists them): "
-                          + describe_split(cfg.model, p.layout, ranges, p.seq_len, p.checkpointing)]
+    lines += _pipeline_splits(cfg, plans)
     lowered = {p.name: p.layout.lowered_from(p.requested) for p in plans}
     fitted = "; ".join(f"{name} {', '.join(changes)}" for name, changes in lowered.items() if changes)
     if fitted:
