@@ -12,7 +12,6 @@ on the last stage). The reference is one process taking the same global batch, t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -23,9 +22,8 @@ import configs
 from moe_lc.config import ConfigError
 from moe_lc.data.packing import IGNORE_INDEX, Sample, collate
 from moe_lc.model.accounting import head_training_flops, layer_training_flops, mtp_training_flops
-from moe_lc.model.attn_res import ResidualStream
 from moe_lc.optim import OptimConfig
-from moe_lc.parallel.layout import ParallelLayout, PipelineSchedule
+from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.parallel.pipeline_schedule import predicted_bubble, rank_actions, simulate, stage_ranks
 from moe_lc.parallel.pipeline_split import balanced_split, part_costs, pipeline_split, stage_ranges
 from moe_lc.parallel.pipeline_stage import boundary_bytes_per_token, boundary_plans, sources_before
@@ -408,8 +406,9 @@ def test_four_ranks_pipeline_composes_with_tensor_data_and_expert_parallelism():
 
 # ----------------------------------------------------------------------------- checkpoints through the trainer
 
-TRAIN = ["device=cpu", "precision=fp64", "model.mtp=true", "curriculum.run=[ctx256]", "curriculum.stages.ctx256.steps=3",
-         "curriculum.stages.ctx256.global_batch_tokens=1024", "curriculum.stages.ctx256.micro_batch=1",
+TRAIN = ["device=cpu", "precision=fp64", "model.mtp=true", "curriculum.run=[ctx256]",
+         "curriculum.stages.ctx256.steps=3", "curriculum.stages.ctx256.global_batch_tokens=1024",
+         "curriculum.stages.ctx256.micro_batch=1",
          "eval.sequences=0", "eval.passkey_documents=0", "checkpoint.every=2", "checkpoint.keep_last=10",
          "logging.progress=none", "logging.tensorboard=false", "report.at_end=false", "threads=1"]
 PP2 = ["layout.pp=2", "layout.dp_shard=1", "layout.world_size=2"]

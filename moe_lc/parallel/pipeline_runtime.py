@@ -47,7 +47,6 @@ from moe_lc.parallel.pipeline_schedule import (
     BACKWARD_WEIGHT,
     FORWARD,
     KINDS,
-    RECV_B,
     RECV_F,
     SEND_B,
     SEND_F,
@@ -62,6 +61,7 @@ except ImportError:  # pragma: no cover - older torch: whole backwards
     stage_backward_input = stage_backward_weight = None
 
 PARTIAL = -1  # the label of the partial sum among a boundary's tensors (sources are labelled by index)
+MAX_MICRO_BATCHES = 1 << 12  # per step, for unique message tags
 
 
 @dataclass
@@ -81,7 +81,9 @@ class _Step:
     """The state of one step on this rank."""
 
     batches: Sequence[StageBatch]
-    origins: dict[int, dict[int, Tensor]] = field(default_factory=lambda: defaultdict(dict))  # micro -> source -> tensor
+    activation_dtype: torch.dtype  # what sublayer outputs compute in (bf16 under autocast)
+    # micro-batch -> source -> the tensor the rank first had of it
+    origins: dict[int, dict[int, Tensor]] = field(default_factory=lambda: defaultdict(dict))
     pending: dict[int, dict[int, Tensor]] = field(default_factory=lambda: defaultdict(dict))  # micro -> source -> grad
     forwards: dict[tuple[int, int], _Forward] = field(default_factory=dict)
     inbox: dict[tuple[str, int, int], tuple[list[Tensor], list[Any]]] = field(default_factory=dict)  # receives
@@ -118,7 +120,8 @@ class Pipeline:
         self.last = len(self.plans) - 1
         self.fsdp_units = {k: [m for m in stage.modules() if isinstance(m, FSDPModule)] for k, stage in stages.items()}
         uses_fsdp = any(self.fsdp_units.values())
-        self._can_split = KINDS[layout.pp_schedule].splits_backward and not uses_fsdp and stage_backward_input is not None
+        self._can_split = (KINDS[layout.pp_schedule].splits_backward and not uses_fsdp
+                           and stage_backward_input is not None)
         self._max_tensors = 1 + max(p.tensors() for p in self.plans)
 
     # ------------------------------------------------------------------ one step
@@ -131,10 +134,11 @@ class Pipeline:
         of the objective (MTP, balance losses), float64 device scalars. Gradients accumulate in the
         parameters (scaled by n_i / N, the batches' ``scale``).
         """
+        if len(batches) > MAX_MICRO_BATCHES:
+            raise ValueError(f"a pipeline step takes at most {MAX_MICRO_BATCHES} micro-batches, got {len(batches)}")
         device = batches[0].scale.device
-        step = _Step(batches, lm_sum=torch.zeros((), dtype=torch.float64, device=device),
+        step = _Step(batches, activation_dtype, lm_sum=torch.zeros((), dtype=torch.float64, device=device),
                      extra_sum=torch.zeros((), dtype=torch.float64, device=device))
-        self._activation_dtype, self._micros = activation_dtype, len(batches)
         actions = rank_actions(self.layout.pp_schedule, self.layout.pp, self.layout.stages_per_rank, len(batches),
                                self.rank)
         last_backward = self._last_backward_of_units(actions)
@@ -159,6 +163,12 @@ class Pipeline:
             raise RuntimeError(f"pipeline step ended with gradients or messages nobody used (micro-batch: sources "
                                f"{leftover}, unread {sorted(step.inbox)}); the schedule's order is inconsistent")
         return step.lm_sum, step.extra_sum
+
+    def describe(self) -> str:
+        """One line for the run's log: the schedule and every stage's layers and rank."""
+        stages = ", ".join(f"{p.layers.start}-{p.layers.stop - 1}@r{p.rank}" for p in self.plans)
+        split = " (backward split in input and weight halves)" if self.splits_backward else ""
+        return f"pipeline {self.layout.pp_schedule}{split}: {len(self.plans)} stages, layers {stages}"
 
     @property
     def splits_backward(self) -> bool:
@@ -210,10 +220,8 @@ class Pipeline:
             record.sent = [PARTIAL] if nxt.partial else []
             return
         record.sent = _labels(nxt)
-        step.outbox[("F", k, m)] = [
-            (result.partial if label == PARTIAL else origins[label]).detach().to(self._wire_dtype(label))
-            for label in record.sent
-        ]
+        outgoing = [(label, result.partial if label == PARTIAL else origins[label]) for label in record.sent]
+        step.outbox[("F", k, m)] = [t.detach().to(self._wire_dtype(step, label)).contiguous() for label, t in outgoing]
 
     # ------------------------------------------------------------------ backward
 
@@ -280,7 +288,8 @@ class Pipeline:
             if back:
                 step.handed[("B", k - 1, m)] = back[-1]  # only the partial sum crosses inside a rank
         else:
-            step.outbox[("B", k, m)] = [g.to(self._wire_dtype(label)) for (label, _), g in zip(record.received, back)]
+            step.outbox[("B", k, m)] = [g.to(self._wire_dtype(step, label)).contiguous()
+                                        for (label, _), g in zip(record.received, back)]
 
     def _weights(self, step: _Step, action: Action) -> None:
         work = step.weight_work.pop((action.stage, action.micro), None)
@@ -295,21 +304,22 @@ class Pipeline:
         """Whether the boundary from stage k to k + 1 stays on this rank."""
         return self.plans[k].rank == self.plans[k + 1].rank
 
-    def _wire_dtype(self, label: int) -> torch.dtype:
+    def _wire_dtype(self, step: _Step, label: int) -> torch.dtype:
         """The dtype a boundary tensor has in the one-process model: the embedding computes in the
         parameters' dtype, sublayer outputs in the activation dtype (autocast), and the plain residual
         (mode none) holds both."""
         if self.mode == "none":
-            return torch.promote_types(self.compute_dtype, self._activation_dtype)
-        return self.compute_dtype if label == 0 else self._activation_dtype
+            return torch.promote_types(self.compute_dtype, step.activation_dtype)
+        return self.compute_dtype if label == 0 else step.activation_dtype
 
     def _peer(self, stage: int) -> int:
         return dist.get_global_rank(self.group, self.plans[stage].rank)
 
     def _tag(self, direction: int, stage: int, micro: int, index: int) -> int:
         """The message's tag (gloo matches on it; NCCL ignores it and matches in order): direction
-        (0 activations, 1 gradients), the sending stage, the micro-batch, the tensor's index."""
-        return ((direction * len(self.plans) + stage) * self._micros + micro) * self._max_tensors + index
+        (0 activations, 1 gradients, 2 the embedding copy's gradient), the sending stage, the
+        micro-batch, the tensor's index."""
+        return ((direction * len(self.plans) + stage) * MAX_MICRO_BATCHES + micro) * self._max_tensors + index
 
     def _send(self, step: _Step, action: Action) -> None:
         k, m = action.stage, action.micro
@@ -317,7 +327,7 @@ class Pipeline:
             tensors, peer, direction = step.outbox.pop(("F", k, m)), self._peer(k + 1), 0
         else:
             tensors, peer, direction = step.outbox.pop(("B", k, m)), self._peer(k - 1), 1
-        ops = [dist.P2POp(dist.isend, t.contiguous(), peer, self.group, self._tag(direction, k, m, i))
+        ops = [dist.P2POp(dist.isend, t, peer, self.group, self._tag(direction, k, m, i))
                for i, t in enumerate(tensors)]
         if ops:
             step.sends.extend(dist.batch_isend_irecv(ops))
@@ -333,7 +343,7 @@ class Pipeline:
         else:
             into, peer, direction, key, sender = self.plans[k + 1], self._peer(k + 1), 1, ("B", k, m), k + 1
         labels = _labels(into)
-        buffers = [torch.empty(shape, dtype=self._wire_dtype(label), device=device) for label in labels]
+        buffers = [torch.empty(shape, dtype=self._wire_dtype(step, label), device=device) for label in labels]
         ops = [dist.P2POp(dist.irecv, b, peer, self.group, self._tag(direction, sender, m, i))
                for i, b in enumerate(buffers)]
         step.inbox[key] = (buffers, dist.batch_isend_irecv(ops) if ops else [])

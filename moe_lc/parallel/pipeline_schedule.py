@@ -119,8 +119,8 @@ def _torch_order(schedule: PipelineSchedule, pp: int, stages_per_rank: int, micr
     except (ValueError, RuntimeError, AssertionError) as err:
         raise ConfigError(
             f"layout.pp_schedule={schedule} cannot run {microbatches} micro-batch(es) on pp={pp} x "
-            f"{stages_per_rank} stage(s): {str(err).rstrip('.')}; change the stage's micro_batch or global_batch_tokens "
-            "(the pipeline's micro-batches are its gradient accumulation steps) or the schedule"
+            f"{stages_per_rank} stage(s): {str(err).rstrip('.')}; change the stage's micro_batch or "
+            "global_batch_tokens (the pipeline's micro-batches are its gradient accumulation steps) or the schedule"
         ) from None
     with_comms = getattr(built, "pipeline_order_with_comms", None)
     if with_comms is not None:

@@ -245,6 +245,8 @@ class Trainer:
                 torch.cuda.empty_cache()
         state = build_model_state(cfg.model, cfg.optim, plan.layout, self.runtime, cfg.seed, plan.checkpointing,
                                   plan.seq_len)
+        if state.pipeline is not None:
+            self.log.message(state.pipeline.describe())
         if resume_path is not None:
             trainer, rng = self.checkpoints.load(resume_path, state.model, state.optimizer)
             if rng is not None:
