@@ -29,6 +29,7 @@ stage has no input gradient to compute, so its whole backward runs at W.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -54,11 +55,6 @@ from moe_lc.parallel.pipeline_schedule import (
     rank_actions,
 )
 from moe_lc.parallel.pipeline_stage import BoundaryPlan, PipelineStage, StageBatch, stream_shape
-
-try:  # the input / weight split of a stage's backward (torch >= 2.5)
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-except ImportError:  # pragma: no cover - older torch: whole backwards
-    stage_backward_input = stage_backward_weight = None
 
 PARTIAL = -1  # the label of the partial sum among a boundary's tensors (sources are labelled by index)
 MAX_MICRO_BATCHES = 1 << 12  # per step, for unique message tags
@@ -120,8 +116,7 @@ class Pipeline:
         self.last = len(self.plans) - 1
         self.fsdp_units = {k: [m for m in stage.modules() if isinstance(m, FSDPModule)] for k, stage in stages.items()}
         uses_fsdp = any(self.fsdp_units.values())
-        self._can_split = (KINDS[layout.pp_schedule].splits_backward and not uses_fsdp
-                           and stage_backward_input is not None)
+        self._can_split = KINDS[layout.pp_schedule].splits_backward and not uses_fsdp
         self._max_tensors = 1 + max(p.tensors() for p in self.plans)
 
     # ------------------------------------------------------------------ one step
@@ -174,7 +169,8 @@ class Pipeline:
     def splits_backward(self) -> bool:
         """Whether I and W run apart: a zero-bubble schedule, no FSDP, and no selective activation
         checkpointing (its recompute serves one backward pass per region)."""
-        return self._can_split and activation_checkpointing_of(self.model).mode != CheckpointMode.selective
+        return (self._can_split and activation_checkpointing_of(self.model).mode != CheckpointMode.selective
+                and _backward_split() is not None)
 
     # ------------------------------------------------------------------ forward
 
@@ -262,7 +258,7 @@ class Pipeline:
             grads = []
         elif split:
             weights = self.stages[k].weights()
-            grads, param_groups = stage_backward_input(roots, root_grads, leaves, iter(weights))
+            grads, param_groups = _backward_split()[0](roots, root_grads, leaves, iter(weights))
             step.weight_work[(k, m)] = param_groups
             grads = list(grads)
         else:
@@ -296,7 +292,7 @@ class Pipeline:
         if isinstance(work, tuple):  # a backward left whole for W
             torch.autograd.backward(*work)
         elif work is not None:
-            stage_backward_weight(iter(self.stages[action.stage].weights()), work)
+            _backward_split()[1](iter(self.stages[action.stage].weights()), work)
 
     # ------------------------------------------------------------------ communication
 
@@ -436,6 +432,18 @@ class _KeepAlive:
 
     def wait(self) -> None:
         self.tensors = []
+
+
+@functools.lru_cache(maxsize=1)
+def _backward_split() -> Optional[tuple[Callable, Callable]]:
+    """torch's (input half, weight half) of a stage's backward, or None (a torch without them: whole
+    backwards). Imported when first needed: torch.distributed.pipelining imports Triton, which the
+    kernel tests must be the first to import."""
+    try:
+        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    except ImportError:  # pragma: no cover - older torch
+        return None
+    return stage_backward_input, stage_backward_weight
 
 
 def _labels(plan: BoundaryPlan) -> list[int]:
