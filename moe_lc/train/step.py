@@ -6,7 +6,9 @@ The loss of the step is the mean over the label tokens of the whole global batch
     L = sum_i n_i * loss_i / N,    N = sum of label tokens over every micro-batch of every rank,
 
 so each micro-batch's backward is scaled by n_i / N and gradients are summed (never averaged)
-over data-parallel ranks; the result is independent of how the batch is split.
+over data-parallel ranks; the result is independent of how the batch is split. With pp > 1 the
+micro-batches go through the pipeline's schedule instead of one after the other, with the same
+weights, and the reported terms are summed over the pipeline's stages.
 After the optimizer step every MoE layer's balancer turns the step's routing statistics
 into the bias for the next step: one reduction over the ranks that held tokens.
 
@@ -113,7 +115,7 @@ def train_step(
 
     stop_requested: this rank was asked to stop; the result says whether any rank was.
     """
-    model, optimizer, device = state.model, state.optimizer, runtime.device
+    optimizer, device = state.optimizer, runtime.device
     with region("data"):
         docs = [DocumentBounds.from_host(b.cu_seqlens, device) for b in micro_batches]
         lengths = [n for d in docs for n in d.lengths]
@@ -204,7 +206,8 @@ def _sum_over_pipeline(values: torch.Tensor, state: ModelState) -> torch.Tensor:
     return values
 
 
-def _routing_statistics(state: ModelState, balancers: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _routing_statistics(state: ModelState, balancers: list,
+                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """MaxVio [layers] and expert loads [layers, experts] of every MoE layer of the model, in order (a
     pipeline's ranks gather their stages' layers over the pipeline)."""
     if state.pipeline is not None:
