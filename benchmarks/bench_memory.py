@@ -38,10 +38,10 @@ import torch
 from moe_lc.metrics.saved_activations import measure_saved_activations
 from moe_lc.ops.documents import DocumentBounds
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
-from moe_lc.parallel.activation_memory import estimate_activations, layer_activations
+from moe_lc.parallel.activation_memory import estimate_activations, gpu_execution_path, layer_activations
 from moe_lc.train.curriculum import plan_curriculum
 from moe_lc.train.model_setup import build_model_state
-from moe_lc.train.plan import estimate_stage, gpu_execution_path
+from moe_lc.train.plan import estimate_stage
 from moe_lc.train.recipes import compose_recipe
 from moe_lc.train.runtime import init_runtime
 

@@ -46,7 +46,14 @@ def test_resolve_errors_name_the_field_and_the_fix(layout, world, needles):
         (dict(ep=3, dp_shard=3), 3, ["num_routed=8", "ep=3"]),
         (dict(ep=4, dp_shard=2), 2, ["layout.ep=4", "dp_shard*cp*tp=2*1*1=2"]),
         (dict(tp=2, sequence_parallel=False), 2, ["sequence_parallel=true"]),
-        (dict(pp=2), 2, ["pipeline parallelism (pp=2) not implemented", "set pp to 1"]),
+        (dict(pp=8), 8, ["layout.pp=8 x 1 stage(s) per rank = 8 pipeline stages exceed the model's 5 layers"]),
+        (dict(pp=2, pp_schedule="zbv", pp_stages_per_rank=3), 2, ["pp_schedule=zbv runs 2 stage(s) per rank",
+                                                                 "pp_stages_per_rank=2"]),
+        (dict(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=1), 2, ["runs at least 2 stage(s)"]),
+        (dict(pp=2, pp_stage_layers=[2, 2]), 2, ["pp_stage_layers=[2, 2] must list 2 positive layer counts",
+                                                 "summing to the model's 5 layers"]),
+        (dict(pp=2, pp_schedule="zbv", pp_stage_layers=[2, 3]), 2, ["must list 4 positive layer counts"]),
+        (dict(pp=2, cp=2), 4, ["pp=2 with cp=2 is not implemented yet", "set one of them to 1"]),
     ],
 )
 def test_invalid_layouts_name_the_numbers_and_the_fix(layout, world, needles):
@@ -96,21 +103,24 @@ def test_resolved_layout_quantities_and_serialisation():
     assert (layout.dp_shard, layout.dp, layout.edp, layout.state_shards) == (2, 4, 2, 16)
     assert layout.mesh_shape() == (2, 2, 2, 2, 2) and math.prod(layout.mesh_shape()) == 32
     assert layout.expert_mesh_shape() == (2, 2, 2, 4)
-    assert layout.describe() == "pp=2 dp_replicate=2 dp_shard=2 cp=2 tp=2 ep=4 (world 32, 8 nodes)"
+    assert layout.describe() == ("pp=2 dp_replicate=2 dp_shard=2 cp=2 tp=2 ep=4 (world 32, 8 nodes; pipeline "
+                                 "one_f_one_b, 2 stages)")
     assert str(layout) == "pp=2 x dp_replicate=2 x dp_shard=2 x cp=2 x tp=2 x ep=4 (zero1)"
     saved = json.loads(json.dumps(layout.as_dict()))  # what a checkpoint's trainer state holds
     assert saved["dp_mode"] == "zero1" and saved["param_dtype"] == "auto" and saved["world_size"] == 32
     assert ParallelLayout(**saved) == layout
     assert ParallelLayout(**{**saved, "gpus_per_node": 8}) == layout  # planning only: not part of equality
     assert ParallelLayout(**{**saved, "ep": 2}) != layout
-    assert layout.not_implemented() == ["pipeline parallelism (pp=2)"]
+    assert layout.not_implemented() == ["pp=2 with cp=2"]
+    assert saved["pp_schedule"] == "one_f_one_b" and saved["pp_stage_layers"] is None
     layout.validate(tiny(), seq_len=64, runnable=False)  # planning accepts what is not implemented yet
     with pytest.raises(ConfigError, match="seq_len=30 divisible by 2\\*cp"):
         layout.validate(tiny(), seq_len=30, runnable=False)
     with pytest.raises(ConfigError, match="cp=2 x tp=4 needs seq_len=36 divisible by cp\\*tp"):
         ParallelLayout(cp=2, tp=4).resolve(8).validate(seq_len=36)  # each cp rank's 18 tokens do not split over tp
     ParallelLayout(cp=2).resolve(2).validate(tiny(), seq_len=64)  # context parallelism runs
-    with pytest.raises(ConfigError, match="layout.pp=8 exceeds the model's 5 layers"):
+    ParallelLayout(pp=2).resolve(2).validate(tiny(), seq_len=64)  # and so does pipeline parallelism
+    with pytest.raises(ConfigError, match="= 8 pipeline stages exceed the model's 5 layers"):
         ParallelLayout(pp=8).resolve(8).validate(tiny(), runnable=False)
 
 

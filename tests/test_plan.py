@@ -13,7 +13,7 @@ from moe_lc.cli import main as cli_main
 from moe_lc.model.accounting import (
     count_parameters,
     layer_training_flops_per_token,
-    mtp_training_flops_per_token,
+    mtp_training_flops,
     training_flops_per_token,
 )
 from moe_lc.model.init import build_model
@@ -91,8 +91,8 @@ def test_per_layer_flops_add_up_to_the_model_flops_and_mla_grows_with_context():
     assert long[mla] - short[mla] == pytest.approx(3 * 2 * m.num_heads * (m.qk_dim + m.v_dim) * ((1 << 20) - 8192) / 2)
     assert long[0] == short[0]  # KDA: linear in the context
     # MTP: its projection, one MLA layer with its MoE, the shared LM head; forward + backward
-    assert mtp_training_flops_per_token(cfg, 8192) > short[mla] + 6 * cfg.padded_vocab_size * cfg.d_model
-    assert mtp_training_flops_per_token(get_preset("proxy"), 8192) == 0.0
+    assert mtp_training_flops(cfg, 8192) > short[mla] + 6 * cfg.padded_vocab_size * cfg.d_model
+    assert mtp_training_flops(get_preset("proxy"), 8192) == 0.0
 
 
 # -- memory ---------------------------------------------------------------------------------------
@@ -184,7 +184,7 @@ def test_step_time_of_fsdp_on_one_node_is_compute_plus_exposed_gathers_sync_and_
     cfg = preset_with("proxy", mtp=True)
     P, N = count_parameters(cfg).total, 8
     m = sequences // N
-    flops = training_flops_per_token(cfg, seq) + mtp_training_flops_per_token(cfg, seq)
+    flops = training_flops_per_token(cfg, seq) + mtp_training_flops(cfg, seq)
     t_c = seq * flops / (PEAK * COMPUTE)
     t_ag = 2 * (N - 1) / N * P * 2 / (NVLINK * LINKS)  # forward and backward, bf16
     t_rs = (N - 1) / N * P * 4 / (NVLINK * LINKS)  # fp32 gradients, once
@@ -341,7 +341,10 @@ def test_cli_plans_a_cluster_and_marks_what_cannot_run_yet(capsys):
     assert "curriculum:" in out
     assert cli_main(["plan", "smoke", "--gpus", "8", "--gpu", "h200", "--runners-up", "8"]) == 0
     out = capsys.readouterr().out
-    assert "141 GiB per GPU" in out and "[not runnable yet: pp]" in out
+    assert "141 GiB per GPU" in out and "best  pp=4" in out  # pipelines run
+    for line in out.splitlines():  # only a pipeline with context parallelism is marked
+        marked = "[not runnable yet: pp=" in line and " with cp=" in line
+        assert marked == ("pp=" in line and " cp=" in line), line
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -262,7 +262,8 @@ def test_cli_plan_prints_the_plan_and_rejects_unknown_names(capsys):
     assert run_plan_cli("k3-8k") == 0
     out = capsys.readouterr().out
     assert "ctx8k" in out and "4096" in out and "memory per GPU" in out
-    assert "not implemented yet in moe_lc.parallel" in out and "pipeline parallelism (pp=16)" in out
+    assert "pipeline one_f_one_b, 16 stages" in out and "pipeline parallelism" not in out
+    assert "s15@r15 layers 90-92+head" in out  # the balanced split: the head's and MTP's cost on the last stage
     assert run_plan_cli("proxy-curriculum") == 0  # one rank unless pinned: cp and ep fitted, and said so
     out = capsys.readouterr().out
     assert "fitted to 1 rank(s): ctx8k ep 8 -> 1" in out and "ctx1m cp 8 -> 1, ep 8 -> 1" in out

@@ -156,11 +156,47 @@ def _elementwise_params(cfg: ModelConfig, kind: str, moe: bool) -> int:
     return mixer + latent_norm
 
 
+def layer_matmul_parameters(cfg: ModelConfig, layer_idx: int) -> int:
+    """Active parameters of decoder layer ``layer_idx`` that multiply activations in a matmul (its token
+    mixer, its dense FFN or the k routed experts, shared experts, router and latent projections of its
+    LatentMoE); ``layer_idx = num_layers`` is the MTP layer (Gated MLA)."""
+    kind = cfg.pattern[layer_idx] if layer_idx < cfg.num_layers else "M"
+    dense = cfg.is_dense_layer(layer_idx)
+    mixer = _kda_params(cfg) if kind == "K" else _mla_params(cfg)
+    if dense:
+        ffn = 3 * cfg.d_model * cfg.moe.dense_hidden
+    else:
+        moe_dense, one_expert, _ = _moe_params(cfg)
+        ffn = moe_dense + cfg.moe.top_k * one_expert
+    return mixer + ffn - _elementwise_params(cfg, kind, not dense)
+
+
 def matmul_parameters(cfg: ModelConfig) -> int:
-    """Active parameters that multiply activations in a matmul: 2 FLOPs per token each, forward."""
-    rep = count_parameters(cfg)
-    elementwise = sum(_elementwise_params(cfg, kind, not cfg.is_dense_layer(i)) for i, kind in enumerate(cfg.pattern))
-    return rep.active - rep.active_by_component["norms_and_attn_res"] - elementwise
+    """Active parameters that multiply activations in a matmul: 2 FLOPs per token each, forward. The
+    decoder layers' and the LM head's (the embedding is a lookup; MTP is not counted as active)."""
+    cfg.validate()
+    return sum(layer_matmul_parameters(cfg, i) for i in range(cfg.num_layers)) + cfg.padded_vocab_size * cfg.d_model
+
+
+def layer_training_flops(cfg: ModelConfig, layer_idx: int, seq_len: int, keys_per_token: Optional[float] = None) -> float:
+    """Forward + backward FLOPs per token of decoder layer ``layer_idx`` (``num_layers``: the MTP layer)."""
+    kind = cfg.pattern[layer_idx] if layer_idx < cfg.num_layers else "M"
+    return 3.0 * (2.0 * layer_matmul_parameters(cfg, layer_idx) + mixing_flops_per_layer(cfg, seq_len, keys_per_token)[kind])
+
+
+def head_training_flops(cfg: ModelConfig) -> float:
+    """Forward + backward FLOPs per token of the LM head (over the padded vocabulary) and its loss."""
+    return 3.0 * 2.0 * cfg.padded_vocab_size * cfg.d_model
+
+
+def mtp_training_flops(cfg: ModelConfig, seq_len: int, keys_per_token: Optional[float] = None) -> float:
+    """Forward + backward FLOPs per token of multi-token prediction (0 without it): the projection of
+    [hidden; next embedding], its decoder layer and a second pass through the LM head. Not part of
+    `training_flops_per_token` (MTP is a training-time extra, like its parameters in the active count)."""
+    if not cfg.mtp:
+        return 0.0
+    projection = 3.0 * 2.0 * (2 * cfg.d_model) * cfg.d_model
+    return projection + layer_training_flops(cfg, cfg.num_layers, seq_len, keys_per_token) + head_training_flops(cfg)
 
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int, keys_per_token: Optional[float] = None) -> float:
@@ -171,33 +207,11 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int, keys_per_token: Opt
     return 3.0 * (2.0 * matmul_parameters(cfg) + mixing_flops_per_token(cfg, seq_len, keys_per_token))
 
 
-def _layer_matmul_parameters(cfg: ModelConfig, kind: str, dense: bool) -> int:
-    """Active matmul parameters of one decoder layer of ``kind`` ("K", "M") with a dense or MoE FFN."""
-    moe_dense, one_expert, _ = _moe_params(cfg)
-    mixer = _kda_params(cfg) if kind == "K" else _mla_params(cfg)
-    ffn = 3 * cfg.d_model * cfg.moe.dense_hidden if dense else moe_dense + cfg.moe.top_k * one_expert
-    return mixer + ffn - _elementwise_params(cfg, kind, not dense)
-
-
 def layer_training_flops_per_token(
     cfg: ModelConfig, seq_len: int, keys_per_token: Optional[float] = None
 ) -> list[float]:
-    """:func:`training_flops_per_token` by decoder layer; what is left of the total is the LM head's.
+    """:func:`layer_training_flops` of every decoder layer; what is left of the total is the LM head's.
 
     For placing work on pipeline stages: at long context an MLA layer costs many KDA layers.
     """
-    mixing = mixing_flops_per_layer(cfg, seq_len, keys_per_token)
-    return [3.0 * (2.0 * _layer_matmul_parameters(cfg, kind, cfg.is_dense_layer(i)) + mixing[kind])
-            for i, kind in enumerate(cfg.pattern)]
-
-
-def mtp_training_flops_per_token(cfg: ModelConfig, seq_len: int, keys_per_token: Optional[float] = None) -> float:
-    """Forward + backward FLOPs per token of the MTP module (projection, its MLA layer, its LM head).
-
-    Not model FLOPs (MFU leaves the MTP layer out, see the module docstring) but work a step does."""
-    if not cfg.mtp:
-        return 0.0
-    d = cfg.d_model
-    layer = _layer_matmul_parameters(cfg, "M", cfg.is_dense_layer(cfg.num_layers))
-    matmul = 2 * d * d + layer + cfg.padded_vocab_size * d
-    return 3.0 * (2.0 * matmul + mixing_flops_per_layer(cfg, seq_len, keys_per_token)["M"])
+    return [layer_training_flops(cfg, i, seq_len, keys_per_token) for i in range(cfg.num_layers)]

@@ -170,13 +170,24 @@ class MoELCModel(nn.Module):
             total = total + torch.where(n_c > 0, chunk_loss * n_c, torch.zeros_like(chunk_loss))
         return total / valid.clamp_min(1)
 
+    def start_stream(self, input_ids: torch.Tensor) -> ResidualStream:
+        """The residual stream before the first decoder layer: the token embedding."""
+        return ResidualStream.start(self.cfg.attn_res.mode, self.embed(input_ids))
+
+    def run_layers(self, stream: ResidualStream, layers, docs: Optional[DocumentBounds]) -> ResidualStream:
+        """The stream after ``layers`` (consecutive decoder layers), each closing its block when it ends one."""
+        for layer in layers:
+            stream = layer(stream, docs).end_layer(layer.layer_idx, self.cfg.attn_res.block_size)
+        return stream
+
+    def head_input(self, stream: ResidualStream) -> torch.Tensor:
+        """The final normalised hidden states from the stream after the last decoder layer."""
+        return self.final_norm(stream.final(self.out_mixer))
+
     def hidden_states(self, input_ids: torch.Tensor, docs: Optional[DocumentBounds] = None) -> torch.Tensor:
         """Final normalised hidden states [B, T, d]."""
         _check_documents(input_ids, docs)
-        stream = ResidualStream.start(self.cfg.attn_res.mode, self.embed(input_ids))
-        for layer in self.layers:
-            stream = layer(stream, docs).end_layer(layer.layer_idx, self.cfg.attn_res.block_size)
-        return self.final_norm(stream.final(self.out_mixer))
+        return self.head_input(self.run_layers(self.start_stream(input_ids), self.layers, docs))
 
     def forward(
         self,
@@ -192,26 +203,36 @@ class MoELCModel(nn.Module):
         ``DocumentBounds.from_host(cu_seqlens, device)``; None: every row is one sequence.
         ``mtp_targets``: the MTP layer's targets (:func:`mtp_labels` of the row), by default made from
         ``labels``; needed under context parallelism, where this rank's labels lack the next chunk's."""
-        use_mtp = self.mtp is not None and labels is not None
-        _check_mtp_targets(use_mtp, labels, mtp_targets, docs)
+        _check_mtp_targets(self.mtp is not None and labels is not None, labels, mtp_targets, docs)
         h = self.hidden_states(input_ids, docs)
         if labels is None:
             return ModelOutput(loss=None, lm_loss=None, logits=self.logits_from_hidden(h))
+        return self.objective(h, labels, docs, return_logits, self.moe_layers(), mtp_targets)
+
+    def objective(
+        self,
+        h: torch.Tensor,
+        labels: torch.Tensor,
+        docs: Optional[DocumentBounds],
+        return_logits: bool,
+        moe_layers: list[LatentMoE],
+        mtp_targets: Optional[torch.Tensor] = None,
+    ) -> ModelOutput:
+        """The training objective from the final hidden states ``h``: the LM loss, the MTP loss and the
+        auxiliary balance loss of ``moe_layers`` (the layers whose forward this objective closes);
+        ``mtp_targets`` as in :meth:`forward`."""
         logits = self.logits_from_hidden(h) if return_logits else None
         lm_loss = self.lm_loss(logits, labels) if logits is not None else self.chunked_lm_loss(h, labels)
         loss = lm_loss
         mtp_loss = None
-        if use_mtp:
+        if self.mtp is not None:
             targets = mtp_targets if mtp_targets is not None else mtp_labels(labels, docs)
             mtp_loss = self._mtp_loss(h, labels, docs, targets)
             loss = loss + self.mtp_weight * mtp_loss
-        aux = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
-        aux_loss = torch.stack(aux).sum() if aux else None
+        aux_loss = balance_loss(moe_layers)
         if aux_loss is not None:
             loss = loss + aux_loss
-        return ModelOutput(
-            loss=loss, lm_loss=lm_loss, logits=logits if return_logits else None, aux_loss=aux_loss, mtp_loss=mtp_loss
-        )
+        return ModelOutput(loss=loss, lm_loss=lm_loss, logits=logits, aux_loss=aux_loss, mtp_loss=mtp_loss)
 
     def _mtp_loss(self, h: torch.Tensor, labels: torch.Tensor, docs: Optional[DocumentBounds],
                   targets: torch.Tensor) -> torch.Tensor:
@@ -219,6 +240,12 @@ class MoELCModel(nn.Module):
         next_tok = labels.clamp_min(0)
         mtp_h = self.mtp(h, self.embed(next_tok), docs)
         return self.lm_loss(self.logits_from_hidden(mtp_h), targets)
+
+
+def balance_loss(moe_layers: list[LatentMoE]) -> Optional[torch.Tensor]:
+    """The auxiliary balance losses the layers' last forward left (``moe.balancing=aux``), summed; else None."""
+    aux = [m.aux_loss for m in moe_layers if m.aux_loss is not None]
+    return torch.stack(aux).sum() if aux else None
 
 
 def _check_documents(input_ids: torch.Tensor, docs: Optional[DocumentBounds]) -> None:

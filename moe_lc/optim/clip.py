@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Any, Iterable, Optional
 
 import torch
+import torch.distributed as dist
 
 from moe_lc.model.precision import upcast
 
@@ -19,19 +20,33 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
 
 
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, foreach: bool = True) -> torch.Tensor:
+def clip_grad_norm(
+    params: Iterable[torch.Tensor],
+    max_norm: float,
+    foreach: bool = True,
+    stage_group: Optional[Any] = None,
+    uncounted: Iterable[torch.Tensor] = (),
+) -> torch.Tensor:
     """Scale all gradients so that their global L2 norm is at most max_norm; return the pre-clip norm.
 
     Gradients are reduced per device mesh (experts and dense weights may be sharded over
     different meshes, which one `clip_grad_norm_` call cannot combine), then the squared
-    norms are summed. max_norm <= 0 or inf only measures. Returns a scalar tensor in at least fp32
+    norms are summed, and summed again over ``stage_group`` (the ranks of a pipeline, which hold
+    different parameters; every rank of it must call). ``uncounted``: parameters whose gradients are
+    scaled but not counted, being copies of a parameter counted on another rank (the last pipeline
+    stage's embedding). max_norm <= 0 or inf only measures. Returns a scalar tensor in at least fp32
     (fp64 for fp64 gradients, so that float64 runs clip as exactly as they compute).
     """
+    params = list(params)
+    skip = {id(p) for p in uncounted}
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    if not grads and stage_group is None:
         return torch.zeros((), dtype=torch.float32)
     by_mesh: dict[object, list[torch.Tensor]] = {}
-    for g in grads:
+    for p in params:
+        if p.grad is None or id(p) in skip:
+            continue
+        g = p.grad
         mesh = g.device_mesh if DTensor is not None and isinstance(g, DTensor) else None
         by_mesh.setdefault(mesh, []).append(g)
     squares = []
@@ -40,9 +55,16 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, foreach: boo
         if DTensor is not None and isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares.append(upcast(norm).square())
-    device = squares[0].device
+    device = squares[0].device if squares else _local(params[0]).device
     dtype = torch.float64 if any(s.dtype == torch.float64 for s in squares) else torch.float32
-    total = torch.stack([s.to(device, dtype) for s in squares]).sum().sqrt()
+    if stage_group is not None:  # every stage must agree on the dtype of the sum
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+    total_sq = torch.zeros((), dtype=dtype, device=device)
+    if squares:
+        total_sq = torch.stack([s.to(device, dtype) for s in squares]).sum()
+    if stage_group is not None:
+        dist.all_reduce(total_sq, group=stage_group)
+    total = total_sq.sqrt()
     if 0 < max_norm < math.inf:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         # every shard scales by the same global factor; local tensors keep DTensor dispatch out of the way

@@ -1,4 +1,4 @@
-"""Parallelism around the model: device meshes, TP + SP, EP, CP, activation checkpointing, FSDP2 / ZeRO-1.
+"""Parallelism around the model: device meshes, PP, TP + SP, EP, CP, activation checkpointing, FSDP2 / ZeRO-1.
 
 Typical use (every rank, after ``torch.distributed.init_process_group``)::
 
@@ -12,6 +12,8 @@ Typical use (every rank, after ``torch.distributed.init_process_group``)::
     finish_gradient_sync(model); clip_grad_norm_(model.parameters(), 1.0); optimizer.step()
     for moe in model.moe_layers(): moe.balancer.update(balance_group(mesh))
 
+With pp > 1 the model keeps its pipeline stages only and ``parallel_context(model).pipeline.run``
+takes a step's micro-batches through the schedule (``moe_lc.train.step.train_step`` does it).
 See docs/parallelism.md.
 """
 
@@ -22,7 +24,7 @@ from moe_lc.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
 )
 from moe_lc.parallel.data_parallel import build_optimizer, finish_gradient_sync, set_gradient_sync
-from moe_lc.parallel.layout import DPMode, ParallelLayout, ParamDType
+from moe_lc.parallel.layout import DPMode, ParallelLayout, ParamDType, PipelineSchedule
 from moe_lc.parallel.mesh import (
     balance_group,
     build_expert_mesh,
@@ -39,6 +41,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "ParallelLayout",
     "DPMode",
+    "PipelineSchedule",
     "ParamDType",
     "ParallelContext",
     "build_mesh",

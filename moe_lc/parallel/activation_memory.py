@@ -24,6 +24,7 @@ from typing import Optional
 
 from moe_lc.config import ModelConfig
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointMode
+from moe_lc.parallel.layout import ParallelLayout
 
 FP32 = 4
 INDEX = 8  # int64 routing indices
@@ -68,6 +69,13 @@ class ExecutionPath:
 REFERENCE_FP32 = ExecutionPath(act=4, stream=4, casts=False, fused=False)  # CPU, fp32
 GPU_AUTOCAST = ExecutionPath(act=2, stream=4, casts=True, fused=True)  # one GPU or ZeRO-1: fp32 weights, autocast
 GPU_BF16_WEIGHTS = ExecutionPath(act=2, stream=2, casts=False, fused=True)  # FSDP computing with bf16 weights
+
+
+def gpu_execution_path(layout: ParallelLayout) -> ExecutionPath:
+    """How the layers run on GPUs under ``layout`` (resolved): FSDP with bf16 compute weights, else fp32
+    weights under bf16 autocast (one process, ZeRO-1, or FSDP with param_dtype float32)."""
+    bf16_weights = layout.world_size > 1 and layout.dp_mode == "fsdp" and layout.param_dtype in ("auto", "bfloat16")
+    return GPU_BF16_WEIGHTS if bf16_weights else GPU_AUTOCAST
 
 
 @dataclass

@@ -62,12 +62,18 @@ def mixed_precision_policy(param_dtype: str, device_type: str) -> MixedPrecision
 
 
 def apply_fsdp(
-    model: nn.Module, dense_dp_mesh: DeviceMesh, expert_dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy
+    model: nn.Module,
+    dense_dp_mesh: DeviceMesh,
+    expert_dp_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    roots: Optional[list[nn.Module]] = None,
 ) -> None:
     """FSDP2 units: routed experts (expert mesh), each token/channel mixer (dense mesh), then the root.
 
     Units take and return tensors (not the ResidualStream), so FSDP's backward hooks attach.
-    Gradients are summed over the data-parallel ranks (divide factor 1).
+    Gradients are summed over the data-parallel ranks (divide factor 1). ``roots``: a pipeline's
+    stages on this rank, each a root of its own (they, not the model, are called); the embedding is
+    then a unit of its own, since two stages of a rank may call it (the first one and MTP's).
     """
     # LatentMoE returns y.view(shape); nothing writes into sublayer outputs in place, so FSDP's
     # warning about in-place ops on returned views does not apply.
@@ -78,8 +84,11 @@ def apply_fsdp(
     for module in list(model.modules()):
         if isinstance(module, (KDAttention, GatedMLA, GatedFFN, LatentMoE)) and not _inside_moe(model, module):
             fully_shard(module, mesh=dense_dp_mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=dense_dp_mesh, mp_policy=mp_policy)
-    for module in model.modules():
+    if roots is not None and getattr(model, "embed", None) is not None:
+        fully_shard(model.embed, mesh=dense_dp_mesh, mp_policy=mp_policy)
+    for root in roots if roots is not None else [model]:
+        fully_shard(root, mesh=dense_dp_mesh, mp_policy=mp_policy)
+    for module in {id(m): m for root in [model, *(roots or [])] for m in root.modules()}.values():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)

@@ -26,7 +26,8 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EXPERT_MESH_DIMS = ("pp", "dp_replicate", "edp", "ep")
 DEGREES = (*MESH_DIMS, "ep")
 FILL = -1  # dp_shard: whatever the other degrees leave of the world
-NOT_IMPLEMENTED = {"pp": "pipeline parallelism"}
+# degrees that run alone but not yet together (the pipeline does not shard rows over cp)
+NOT_TOGETHER = (("pp", "cp"),)
 
 
 class Choice(str, Enum):
@@ -46,6 +47,16 @@ class Choice(str, Enum):
 class DPMode(Choice):
     fsdp = "fsdp"  # FSDP2 (HSDP with dp_replicate > 1): parameters, gradients, optimizer state sharded
     zero1 = "zero1"  # parameters and gradients replicated, optimizer state sharded
+
+
+class PipelineSchedule(Choice):
+    """The order in which a pipeline runs its micro-batches (``moe_lc.parallel.pipeline_schedule``)."""
+
+    one_f_one_b = "one_f_one_b"  # 1F1B: one stage per rank
+    interleaved_1f1b = "interleaved_1f1b"  # 1F1B over virtual stages (several per rank, round robin)
+    interleaved_zero_bubble = "interleaved_zero_bubble"  # ZB1P: virtual stages, split backward
+    zbv = "zbv"  # zero bubble, two stages per rank in a V
+    dualpipev = "dualpipev"  # DualPipe-V: two stages per rank in a V, forward and backward overlapped
 
 
 class ParamDType(Choice):
@@ -69,6 +80,11 @@ class ParallelLayout:
     gradients are replicated over all data-parallel ranks, only the optimizer state is
     sharded (see ``moe_lc.parallel.data_parallel``).
     param_dtype: compute dtype of FSDP's unsharded parameters (master weights stay fp32).
+
+    Pipeline (pp > 1): the decoder layers are cut into pp x stages-per-rank stages of consecutive
+    layers; ``pp_schedule`` orders the micro-batches, ``pp_stages_per_rank`` (None: 1 for
+    one_f_one_b, 2 otherwise) sets the virtual stages, ``pp_stage_layers`` (None: balanced by
+    modelled cost) lists the decoder layers of each stage, e.g. [24, 23, 23, 23].
     """
 
     pp: int = 1
@@ -81,12 +97,16 @@ class ParallelLayout:
     sequence_parallel: bool = True
     param_dtype: ParamDType = ParamDType.auto
     world_size: Optional[int] = None  # the rank count this layout is meant for (null: whatever is launched)
+    pp_schedule: PipelineSchedule = PipelineSchedule.one_f_one_b
+    pp_stages_per_rank: Optional[int] = None  # virtual stages per rank (null: what the schedule needs)
+    pp_stage_layers: Optional[list[int]] = None  # decoder layers per stage, in order (null: balanced by cost)
     gpus_per_node: int = field(default=8, compare=False)  # planning: reported as a node count
 
     def __post_init__(self) -> None:
         # Direct construction (ParallelLayout(dp_mode="zero1")) gets the same choices as a recipe.
         self.dp_mode = parse_choice(DPMode, "layout.dp_mode", self.dp_mode)
         self.param_dtype = parse_choice(ParamDType, "layout.param_dtype", self.param_dtype)
+        self.pp_schedule = parse_choice(PipelineSchedule, "layout.pp_schedule", self.pp_schedule)
 
     # -- resolution ----------------------------------------------------------------------
     @property
@@ -116,6 +136,11 @@ class ParallelLayout:
             f"layout.world_size={self.world_size!r} must be a positive integer or null (fit the world)",
         )
         _require(_positive(self.gpus_per_node), f"layout.gpus_per_node={self.gpus_per_node!r} must be a positive integer")
+        _require(
+            self.pp_stages_per_rank is None or _positive(self.pp_stages_per_rank),
+            f"layout.pp_stages_per_rank={self.pp_stages_per_rank!r} must be a positive integer or null (what "
+            "the schedule needs)",
+        )
 
     def resolve(self, world_size: int) -> "ParallelLayout":
         """This layout for ``world_size`` ranks, every degree known (``world_size`` set, dp_shard filled)."""
@@ -154,18 +179,20 @@ class ParallelLayout:
 
     # -- validation ------------------------------------------------------------------------
     def not_implemented(self) -> list[str]:
-        """What this layout needs that the engine cannot do yet, e.g. ``["pipeline parallelism (pp=4)"]``.
+        """What this layout needs that the engine cannot do yet, e.g. ``["pp=4 with cp=2"]``.
 
         Empty: it can run. Planning reports these; ``validate(runnable=True)`` refuses them.
         """
-        return [f"{what} ({d}={getattr(self, d)})" for d, what in NOT_IMPLEMENTED.items() if getattr(self, d) > 1]
+        return [" with ".join(f"{d}={getattr(self, d)}" for d in dims) for dims in NOT_TOGETHER
+                if all(getattr(self, d) > 1 for d in dims)]
 
     def validate(
         self, model_cfg: Optional[ModelConfig] = None, seq_len: Optional[int] = None, runnable: bool = True
     ) -> "ParallelLayout":
         """Raise ConfigError naming the field and a fix; call on a resolved layout before any process group.
 
-        runnable=False accepts what is only not implemented yet (pp > 1), for planning.
+        runnable=False accepts what is only not implemented yet (pp > 1 with cp > 1), and pipeline
+        schedules this torch lacks, for planning.
         """
         self.check_degrees()
         self._require_resolved("validate")
@@ -173,9 +200,8 @@ class ParallelLayout:
             missing = self.not_implemented()
             _require(
                 not missing,
-                f"layout: {' and '.join(missing)} not implemented yet in moe_lc.parallel; set "
-                f"{' and '.join(d for d in NOT_IMPLEMENTED if getattr(self, d) > 1)} to 1 to train "
-                "(moe-lc plan still plans such layouts)",
+                f"layout: {' and '.join(missing)} is not implemented yet in moe_lc.parallel (each runs alone); "
+                "set one of them to 1 to train (moe-lc plan still plans such layouts)",
             )
         _require(
             self.sequence_parallel or self.tp == 1,
@@ -205,17 +231,46 @@ class ParallelLayout:
                 f"layout.cp={self.cp} x tp={self.tp} needs seq_len={seq_len} divisible by cp*tp (sequence "
                 "parallelism splits each rank's seq_len/cp tokens over tp); change seq_len, cp or tp",
             )
+        if self.pp > 1:
+            self._validate_pipeline(runnable)
         if model_cfg is not None:
             self._validate_model(model_cfg)
         return self
 
+    # -- the pipeline ----------------------------------------------------------------------------
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each pp rank holds: ``pp_stages_per_rank``, or what the schedule needs."""
+        if self.pp_stages_per_rank is not None:
+            return self.pp_stages_per_rank
+        return 1 if self.pp_schedule == PipelineSchedule.one_f_one_b else 2
+
+    @property
+    def pipeline_stages(self) -> int:
+        """Stages of consecutive decoder layers the model is cut into (1 without a pipeline)."""
+        return self.pp * self.stages_per_rank if self.pp > 1 else 1
+
+    def _validate_pipeline(self, runnable: bool) -> None:
+        from moe_lc.parallel.pipeline_schedule import check_schedule
+
+        check_schedule(self.pp_schedule, self.stages_per_rank, needs_torch=runnable)
+
     def _validate_model(self, cfg: ModelConfig) -> None:
         tp, ep = self.tp, self.ep
         m = cfg.moe
+        stages = self.pipeline_stages
         _require(
-            self.pp <= cfg.num_layers,
-            f"layout.pp={self.pp} exceeds the model's {cfg.num_layers} layers; lower pp",
+            stages <= cfg.num_layers,
+            f"layout.pp={self.pp} x {self.stages_per_rank} stage(s) per rank = {stages} pipeline stages exceed the "
+            f"model's {cfg.num_layers} layers (a stage holds at least one); lower pp or pp_stages_per_rank",
         )
+        if self.pp > 1 and self.pp_stage_layers is not None:
+            counts = list(self.pp_stage_layers)
+            _require(
+                len(counts) == stages and all(_positive(c) for c in counts) and sum(counts) == cfg.num_layers,
+                f"layout.pp_stage_layers={counts} must list {stages} positive layer counts (one per pipeline "
+                f"stage) summing to the model's {cfg.num_layers} layers; fix the list or set it to null (balanced)",
+            )
         _require(
             m.num_routed % ep == 0,
             f"moe.num_routed={m.num_routed} experts cannot be split over ep={ep} ranks; "
@@ -294,7 +349,10 @@ class ParallelLayout:
         self._require_resolved("describe")
         dims = " ".join(f"{d}={getattr(self, d)}" for d in DEGREES)
         nodes = -(-self.world_size // self.gpus_per_node)
-        return f"{dims} (world {self.world_size}" + (f", {nodes} nodes)" if self.world_size > 1 else ")")
+        where = f"world {self.world_size}" + (f", {nodes} nodes" if self.world_size > 1 else "")
+        if self.pp > 1:
+            where += f"; pipeline {self.pp_schedule}, {self.pipeline_stages} stages"
+        return f"{dims} ({where})"
 
     def lowered_from(self, requested: "ParallelLayout") -> list[str]:
         """The degrees a fitted resolve lowered from what ``requested`` wrote, e.g. ``["cp 8 -> 2"]``."""

@@ -88,9 +88,13 @@ def balance_group(mesh: DeviceMesh) -> Optional[dist.ProcessGroup]:
     """Every rank holding tokens of the step within one pipeline stage: dp x cp x tp.
 
     tp belongs here because sequence parallelism gives each tp rank its own tokens to route.
-    Pass it to ``ExpertBalancer.update(group)``; None means a single rank.
+    Pass it to ``ExpertBalancer.update(group)``; None means the whole world is one rank. A pipeline
+    stage held by one rank gets its one-rank group (a balancer reads None as the world).
     """
-    return dims_group(mesh, ("dp_replicate", "dp_shard", "cp", "tp"))
+    group = dims_group(mesh, ("dp_replicate", "dp_shard", "cp", "tp"))
+    if group is None and mesh.size() > 1:
+        return mesh.get_group("tp")
+    return group
 
 
 def global_label_tokens(num_local: int, mesh: Optional[DeviceMesh]) -> int:

@@ -1,11 +1,13 @@
-"""``parallelize(model, layout, mesh, checkpointing)``: TP/SP, EP, activation checkpointing and data
+"""``parallelize(model, layout, mesh, checkpointing)``: PP, TP/SP, EP, activation checkpointing and data
 parallelism around an unchanged model.
 
-Order: tensor parallelism (DTensor parameters on the tp mesh, sequence-parallel regions,
-vocab-parallel embedding/head/loss), expert parallelism (expert weights on the ep mesh, the
-all-to-all dispatch), local-parameter hooks, activation checkpointing of the decoder layers
-(a recompute then reruns the hooks and collectives above, inside the layer), then FSDP2 (it must
-come last: it wraps DTensor parameters from the same root mesh and its hooks must run outside ours).
+Order: the pipeline split (the rank keeps only its stages' parts of the model, under their names),
+tensor parallelism (DTensor parameters on the tp mesh, sequence-parallel regions, vocab-parallel
+embedding/head/loss), expert parallelism (expert weights on the ep mesh, the all-to-all dispatch),
+local-parameter hooks, activation checkpointing of the decoder layers (a recompute then reruns the
+hooks and collectives above, inside the layer), the pipeline's stage modules (views of the layers
+as they now are), then FSDP2 (it must come last: it wraps DTensor parameters from the same root
+mesh and its hooks must run outside ours; under a pipeline each stage is a root).
 
 Context parallelism needs no change to the model: its inputs are each rank's shard of the row
 (``moe_lc.parallel.context.shard_model_inputs``), its ops run context-parallel where ``docs.shard``
@@ -30,6 +32,8 @@ from moe_lc.parallel.expert_parallel import apply_expert_parallel
 from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.parallel.local_params import expose_all_local_parameters
 from moe_lc.parallel.mesh import build_expert_mesh, data_parallel_group, dims_group
+from moe_lc.parallel.pipeline_runtime import Pipeline
+from moe_lc.parallel.pipeline_stage import build_stages, keep_stage_parts, plan_pipeline
 from moe_lc.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -41,6 +45,7 @@ class ParallelContext:
     mesh: DeviceMesh
     expert_mesh: DeviceMesh
     dp_groups: DataParallelGroups
+    pipeline: Optional[Pipeline] = None  # this rank's pipeline stages (pp > 1)
 
 
 def parallelize(
@@ -48,12 +53,16 @@ def parallelize(
     layout: ParallelLayout,
     mesh: DeviceMesh,
     checkpointing: Optional[ActivationCheckpointing] = None,
+    seq_len: Optional[int] = None,
 ) -> MoELCModel:
     """Apply ``layout`` and the activation ``checkpointing`` policy (None: none) to ``model`` in place
     (and return it). Every rank must pass an identical model.
 
     The model must be materialised (not meta) with identical weights on every rank (same seed).
     ``layout`` is resolved for the mesh's world (dp_shard=-1 filled); the context keeps the result.
+    With pp > 1 the model keeps this rank's stages only and is trained through
+    ``parallel_context(model).pipeline``; ``seq_len`` is the sequence length the stages are balanced
+    for (attention's cost grows with it; None: 4096), unless the layout lists ``pp_stage_layers``.
     """
     if getattr(model, "moe_lc_parallel", None) is not None:
         raise ConfigError("this model is already parallelized; build a fresh model for another layout")
@@ -61,6 +70,11 @@ def parallelize(
     if any(p.is_meta for p in model.parameters()):
         raise ConfigError("parallelize needs materialised weights: build the model with build_model(cfg, device)")
     expert_mesh = build_expert_mesh(layout, mesh)
+    compute_dtype = _compute_dtype(model, layout, mesh.device_type)
+    pipeline_plan = plan_pipeline(model.cfg, layout, seq_len, checkpointing) if layout.pp > 1 else None
+    pp_rank = mesh.get_local_rank("pp")
+    if pipeline_plan is not None:
+        keep_stage_parts(model, pipeline_plan.layers, pipeline_plan.stages_of(pp_rank))
 
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
@@ -68,6 +82,7 @@ def parallelize(
         apply_expert_parallel(model, expert_mesh["ep"])
     expose_all_local_parameters(model)
     apply_activation_checkpointing(model, checkpointing or ActivationCheckpointing())
+    stages = build_stages(model, pipeline_plan, pp_rank) if pipeline_plan is not None else None
 
     expert_params = {id(p) for m in model.modules() if isinstance(m, LatentMoE) for p in m.experts.parameters()}
     dp_groups = DataParallelGroups(
@@ -81,6 +96,7 @@ def parallelize(
             _fsdp_mesh(mesh, ("dp_shard", "cp")),
             _fsdp_mesh(expert_mesh, ("edp",)),
             mixed_precision_policy(layout.param_dtype, mesh.device_type),
+            roots=list(stages.values()) if stages is not None else None,
         )
         # FSDP replaced the parameter objects: record the experts' new ones.
         dp_groups.expert_params = {
@@ -88,8 +104,19 @@ def parallelize(
         }
     if layout.cp > 1:
         model.register_forward_pre_hook(_require_context_shard(layout.cp), with_kwargs=True)
-    model.moe_lc_parallel = ParallelContext(layout, mesh, expert_mesh, dp_groups)
+    pipeline = None
+    if stages is not None:
+        pipeline = Pipeline(model, layout, pipeline_plan.boundaries, stages, mesh.get_group("pp"), compute_dtype)
+    model.moe_lc_parallel = ParallelContext(layout, mesh, expert_mesh, dp_groups, pipeline)
     return model
+
+
+def _compute_dtype(model: MoELCModel, layout: ParallelLayout, device_type: str):
+    """The dtype the parameters compute in: FSDP's unsharded dtype, else the weights'."""
+    weights = next(model.parameters()).dtype
+    if layout.dp_mode != "fsdp":
+        return weights
+    return mixed_precision_policy(layout.param_dtype, device_type).param_dtype or weights
 
 
 def _fsdp_mesh(mesh: DeviceMesh, shard_dims: tuple[str, ...]) -> DeviceMesh:

@@ -185,8 +185,10 @@ def apply_tensor_parallel(model: MoELCModel, tp_mesh: DeviceMesh) -> MoELCModel:
     """Split the model over ``tp_mesh`` (1-D) in place; routed experts are not touched."""
     group = tp_mesh.get_group()
     plan = tensor_parallel_plan(model)
-    model.embed = VocabParallelEmbedding(model.embed.weight, group)
-    model.lm_head = VocabParallelLMHead(model.lm_head.weight, group)
+    if model.embed is not None:  # a pipeline stage's model holds what its stages run
+        model.embed = VocabParallelEmbedding(model.embed.weight, group)
+    if model.lm_head is not None:
+        model.lm_head = VocabParallelLMHead(model.lm_head.weight, group)
     for prefix, module in model.named_modules():
         if isinstance(module, RoutedExperts):
             continue

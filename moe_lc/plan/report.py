@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from moe_lc.parallel.layout import NOT_IMPLEMENTED
 from moe_lc.plan.hardware import COMPUTE_FRACTION, HBM_FRACTION, LINK_FRACTION, Cluster
 from moe_lc.plan.memory import GiB, MemoryBreakdown
 from moe_lc.plan.search import MIN_CP_TOKENS, Candidate, Recommendation
@@ -66,7 +65,7 @@ def limits(c: Candidate, cluster: Cluster) -> str:
 
 
 def summary(c: Candidate, cluster: Cluster) -> str:
-    missing = [d for d in NOT_IMPLEMENTED if getattr(c.layout, d) > 1]
+    missing = c.layout.not_implemented()
     marks = f"   [not runnable yet: {', '.join(missing)}]" if missing else ""
     return (f"{c.layout}, {c.policy.describe()}: {c.time.step:.3g} s/step, MFU {c.time.mfu(cluster):.0%}, "
             f"{_gib(c.memory.total)} GiB{marks}")

@@ -47,7 +47,7 @@ from typing import Sequence
 
 from moe_lc.model.accounting import (
     layer_training_flops_per_token,
-    mtp_training_flops_per_token,
+    mtp_training_flops,
     training_flops_per_token,
 )
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointMode
@@ -193,7 +193,7 @@ class TimeModel:
         self.layer_flops = layer_training_flops_per_token(cfg, shape.seq_len)
         self.model_flops_per_token = training_flops_per_token(cfg, shape.seq_len)
         self.head_flops = self.model_flops_per_token - sum(self.layer_flops)
-        self.mtp_flops = mtp_training_flops_per_token(cfg, shape.seq_len)
+        self.mtp_flops = mtp_training_flops(cfg, shape.seq_len)
         self._work: dict[tuple, _StageWork] = {}
 
     def __call__(self, layout: ParallelLayout, policy: ActivationCheckpointing) -> StepTime:

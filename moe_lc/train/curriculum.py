@@ -91,6 +91,20 @@ def check_batch_shape(name: str, stage: StageConfig, dp: int) -> None:
         )
 
 
+def check_pipeline_micro_batches(name: str, stage: StageConfig, layout: ParallelLayout) -> None:
+    """A pipeline's micro-batches are the stage's accumulation steps: its schedule must be able to order them."""
+    from moe_lc.parallel.pipeline_schedule import check_microbatches, schedule_available
+
+    if layout.pp == 1 or not schedule_available(layout.pp_schedule):  # (a missing schedule: validate says so)
+        return
+
+    grad_accum = stage.global_batch_tokens // stage.seq_len // (stage.micro_batch * layout.dp)
+    try:
+        check_microbatches(layout.pp_schedule, layout.pp, layout.stages_per_rank, grad_accum)
+    except ConfigError as err:
+        raise ConfigError(f"curriculum.stages.{name} ({grad_accum} micro-batches per rank and step): {err}") from None
+
+
 def plan_curriculum(cfg: TrainConfig, world_size: int, every_stage: bool = False) -> list[StagePlan]:
     """Every stage of the curriculum with its steps and data; the layouts of the stages this launch
     runs (every stage with every_stage=True, for planning) resolved and checked for `world_size` ranks.
@@ -112,6 +126,7 @@ def plan_curriculum(cfg: TrainConfig, world_size: int, every_stage: bool = False
             except ConfigError as err:
                 raise ConfigError(f"stage {name}: {err}") from err
             check_batch_shape(name, stage, layout.dp)
+            check_pipeline_micro_batches(name, stage, layout)
         sources = tuple(stage.data if stage.data is not None else cfg.data.sources)
         plans.append(StagePlan(
             index, name, stage.seq_len, stage.global_batch_tokens, stage.micro_batch, steps, start, layout, sources,

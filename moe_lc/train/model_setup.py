@@ -1,9 +1,10 @@
 """Build the model and optimizer for one parallel layout and activation checkpointing policy.
 
 One rank: the plain model with the checkpointing policy applied. Several ranks: `moe_lc.parallel`
-builds the device mesh and applies the layout and the policy around the model (TP/SP, EP,
+builds the device mesh and applies the layout and the policy around the model (PP, TP/SP, EP,
 checkpointing, FSDP2 or ZeRO-1); gradients are then summed over data-parallel ranks (the engine's
 convention), so each rank weights its token losses by 1 / (label tokens of the whole global batch).
+With pp > 1 the rank's model holds its pipeline stages only and `ModelState.pipeline` runs them.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class ModelState:
     dp_size: int
     balance_group: Optional[Any]  # process group for ExpertBalancer.update
     autocast_forward: bool  # False when FSDP already computes in bf16
+    pipeline: Optional[Any] = None  # moe_lc.parallel.pipeline_runtime.Pipeline when pp > 1
 
     @property
     def parallel(self) -> bool:
@@ -50,12 +52,18 @@ class ModelState:
             from moe_lc.parallel import finish_gradient_sync
 
             finish_gradient_sync(self.model)
+        if self.pipeline is not None:
+            self.pipeline.finish_gradient_sync()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm before clipping (max_norm 0: measure only), a device scalar: reading it
         waits for the GPU, so the step reads it with its other results at its end."""
         # mesh-aware: sums shard norms per device mesh, counts replicas once (any layout, or none)
-        return clip_grad_norm(self.model.parameters(), max_norm)
+        if self.pipeline is None:
+            return clip_grad_norm(self.model.parameters(), max_norm)
+        copy = self.pipeline.embedding_copy()  # counted on the first stage's rank
+        return clip_grad_norm(self.model.parameters(), max_norm, stage_group=self.pipeline.group,
+                              uncounted=[copy] if copy is not None else [])
 
 
 def _optimizer_over(model: nn.Module, cfg: OptimConfig):
@@ -79,11 +87,13 @@ def build_model_state(
     runtime: Runtime,
     seed: int,
     checkpointing: Optional[ActivationCheckpointing] = None,
+    seq_len: Optional[int] = None,
 ) -> ModelState:
-    """Model and optimizer for ``layout`` with the activation ``checkpointing`` policy (None: none)."""
+    """Model and optimizer for ``layout`` with the activation ``checkpointing`` policy (None: none);
+    ``seq_len``: what a pipeline's stages are balanced for (the first stage this model trains)."""
     from moe_lc.model.init import build_model
 
-    layout.validate(model_cfg, runnable=True)  # before building anything: pp/cp > 1 are only planned so far
+    layout.validate(model_cfg, runnable=True)  # before building anything: pp > 1 with cp > 1 is only planned so far
     checkpointing = (checkpointing or ActivationCheckpointing()).check()
     weights = torch.float64 if runtime.compute_dtype == torch.float64 else torch.float32
     model = build_model(model_cfg, device=runtime.device, seed=seed, dtype=weights)
@@ -97,7 +107,7 @@ def build_model_state(
     from moe_lc import parallel
 
     mesh = parallel.build_mesh(layout, runtime.world_size, runtime.device.type)
-    model = parallel.parallelize(model, layout, mesh, checkpointing)
+    model = parallel.parallelize(model, layout, mesh, checkpointing, seq_len)
     model.train()
     if layout.dp_mode == "zero1":
         optimizer = parallel.build_optimizer(model, _optimizer_over(model, optim_cfg))
@@ -108,5 +118,6 @@ def build_model_state(
         layout.param_dtype == "bfloat16" or (layout.param_dtype == "auto" and runtime.device.type == "cuda")
     )
     return ModelState(
-        model, optimizer, layout, mesh, dp_rank, dp_size, parallel.balance_group(mesh), autocast_forward=not fsdp_bf16
+        model, optimizer, layout, mesh, dp_rank, dp_size, parallel.balance_group(mesh), autocast_forward=not fsdp_bf16,
+        pipeline=parallel.parallel_context(model).pipeline,
     )

@@ -17,6 +17,7 @@ from typing import Optional
 
 from moe_lc.model.accounting import count_parameters, training_flops_per_token
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointMode
+from moe_lc.parallel.pipeline_split import describe_split, pipeline_split
 from moe_lc.plan.hardware import Cluster, default_cluster
 from moe_lc.plan.memory import GiB, MemoryBreakdown, MemoryModel, StageShape, gpu_execution_path
 from moe_lc.plan.model_facts import ModelFacts, model_facts
@@ -73,6 +74,23 @@ def estimate_stage(cfg: TrainConfig, stage: StagePlan) -> StageEstimate:
                          memory(stage.layout, stage.checkpointing), by_policy, time, cluster)
 
 
+def _pipeline_splits(cfg: TrainConfig, plans: list[StagePlan]) -> list[str]:
+    """The stage split of each pipelined layout, as the trainer builds it: once per run of curriculum
+    stages with the same layout, balanced for the first one's sequence length and policy."""
+    lines, built = [], None
+    for i, p in enumerate(plans):
+        if p.layout.pp == 1 or p.layout == built:
+            built = p.layout if p.layout.pp > 1 else None
+            continue
+        built = p.layout
+        users = [q.name for q in plans[i:] if q.layout == p.layout]
+        ranges = pipeline_split(cfg.model, p.layout, p.seq_len, p.checkpointing)
+        how = "as listed" if p.layout.pp_stage_layers is not None else f"balanced for seq_len {p.seq_len}"
+        lines += ["", f"pipeline stages for {', '.join(users)} ({how}): "
+                      + describe_split(cfg.model, p.layout, ranges, p.seq_len, p.checkpointing)]
+    return lines
+
+
 def _human(n: float) -> str:
     for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= div:
@@ -119,6 +137,7 @@ def plan_text(cfg: TrainConfig, world_size: int) -> str:
             f"  => {m.total / GiB:.2f}  ({alternatives})   {est.time.step:.1f} s/step (MFU "
             f"{est.time.mfu(est.cluster):.0%}), ~{hours:,.1f} h on {p.layout.world_size} H200"
         )
+    lines += _pipeline_splits(cfg, plans)
     lowered = {p.name: p.layout.lowered_from(p.requested) for p in plans}
     fitted = "; ".join(f"{name} {', '.join(changes)}" for name, changes in lowered.items() if changes)
     if fitted:

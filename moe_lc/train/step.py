@@ -6,7 +6,9 @@ The loss of the step is the mean over the label tokens of the whole global batch
     L = sum_i n_i * loss_i / N,    N = sum of label tokens over every micro-batch of every rank,
 
 so each micro-batch's backward is scaled by n_i / N and gradients are summed (never averaged)
-over data-parallel ranks; the result is independent of how the batch is split.
+over data-parallel ranks; the result is independent of how the batch is split. With pp > 1 the
+micro-batches go through the pipeline's schedule instead of one after the other, with the same
+weights, and the reported terms are summed over the pipeline's stages.
 After the optimizer step every MoE layer's balancer turns the step's routing statistics
 into the bias for the next step: one reduction over the ranks that held tokens.
 
@@ -43,6 +45,7 @@ from moe_lc.model.accounting import causal_keys_per_token
 from moe_lc.ops.documents import DocumentBounds, upload
 from moe_lc.optim import OptimConfig, apply_lr
 from moe_lc.parallel import data_parallel_group
+from moe_lc.parallel.pipeline_stage import StageBatch
 from moe_lc.train.bad_steps import step_if_finite, update_biases_if_finite
 from moe_lc.train.curriculum import StagePlan
 from moe_lc.train.data import StageData
@@ -177,7 +180,7 @@ def train_step(
     own_s_before: this rank's own time in the step before (its batch wait and optimizer update),
     shared with every rank in the end-of-step read.
     """
-    model, optimizer, device = state.model, state.optimizer, runtime.device
+    optimizer, device = state.optimizer, runtime.device
     with region("data"):
         docs = [DocumentBounds.from_host(b.cu_seqlens, device) for b in micro_batches]
         lengths = [n for d in docs for n in d.lengths]
@@ -188,9 +191,55 @@ def train_step(
                                      dtype=torch.float64), device)
         counts = _sum_over_data_parallel(counts, state)
         denom = counts[0].clamp(min=1)
+    autocast = runtime.autocast if state.autocast_forward else contextlib.nullcontext
+    if state.pipeline is not None:
+        lm_sum, extra_sum = _pipeline_micro_batches(state, micro_batches, docs, denom, runtime, autocast)
+    else:
+        lm_sum, extra_sum = _micro_batches(state, micro_batches, docs, denom, runtime, autocast)
+    state.finish_gradient_sync()
+    sums = _sum_over_pipeline(_sum_over_data_parallel(torch.stack([lm_sum, extra_sum]), state), state)
+    update = Interval(device)
+    with region("optimizer"):
+        grad_norm = state.clip_grad_norm(optim_cfg.grad_clip)
+        finite = _on_every_rank(torch.isfinite(grad_norm.to(device)) & torch.isfinite(sums).all(), runtime)
+        lr = apply_lr(optimizer, step, total_steps, optim_cfg)
+        update.start()
+        try:
+            step_if_finite(optimizer, finite)
+        except RuntimeError as err:
+            if "overflow" not in str(err):
+                raise
+            raise ConfigError(lr_overflow_message(optim_cfg, lr, step)) from None
+        update.stop()
+        state.model.zero_grad(set_to_none=True)  # all of them: a skipped ZeRO-1 step leaves other ranks' shares too
+    balancers = [moe.balancer for moe in state.moe_layers()]
+    with region("router_dispatch"):
+        update_biases_if_finite(balancers, state.balance_group, finite)
+    maxvio_all, loads_all = _routing_statistics(state, balancers, device)
+    queued = [sums / denom, grad_norm.reshape(1), counts, finite.reshape(1), maxvio_all, loads_all]
+    if runtime.distributed:
+        queued.append(_shared_over_ranks(stop_requested, own_s_before, runtime))
+    host = read_to_host(queued)
+    (lm, extra), (norm,), (label_tokens, keys, tokens), (was_finite,), maxvio = host[:5]
+    experts = loads_all.shape[1]
+    loads = [[int(x) for x in host[5][i * experts : (i + 1) * experts]] for i in range(len(maxvio))]
+    if runtime.distributed:
+        stop, *own = host[6]
+    else:
+        stop, own = stop_requested, [own_s_before]
+    return StepResult(
+        loss=lm, grad_norm=norm, lr=lr, label_tokens=int(label_tokens), keys_per_token=keys / max(tokens, 1.0),
+        maxvio_per_layer=maxvio, expert_loads=loads, stop_requested=bool(stop), aux_loss=extra,
+        skipped=not was_finite, optimizer_s=update.seconds(), own_s_per_rank=own,
+    )
+
+
+def _micro_batches(state: ModelState, micro_batches: Sequence, docs: list[DocumentBounds], denom: torch.Tensor,
+                   runtime: Runtime, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of each micro-batch in turn; (sum n_i lm_i, sum n_i extra_i) on this rank."""
+    model, device = state.model, runtime.device
     lm_sum = torch.zeros((), dtype=torch.float64, device=device)
     extra_sum = torch.zeros((), dtype=torch.float64, device=device)
-    autocast = runtime.autocast if state.autocast_forward else contextlib.nullcontext
     last = len(micro_batches) - 1
     for i, (batch, bounds) in enumerate(zip(micro_batches, docs)):
         state.set_gradient_sync(i == last)
@@ -206,43 +255,44 @@ def train_step(
         (out.loss * (torch.full_like(denom, n) / denom).to(out.loss.dtype)).backward()  # n / N, correctly rounded
         lm_sum += out.lm_loss.detach().double() * n
         extra_sum += (out.loss.detach() - out.lm_loss.detach()).double() * n
-    state.finish_gradient_sync()
-    sums = _sum_over_data_parallel(torch.stack([lm_sum, extra_sum]), state)
-    update = Interval(device)
-    with region("optimizer"):
-        grad_norm = state.clip_grad_norm(optim_cfg.grad_clip)
-        finite = _on_every_rank(torch.isfinite(grad_norm.to(device)) & torch.isfinite(sums).all(), runtime)
-        lr = apply_lr(optimizer, step, total_steps, optim_cfg)
-        update.start()
-        try:
-            step_if_finite(optimizer, finite)
-        except RuntimeError as err:
-            if "overflow" not in str(err):
-                raise
-            raise ConfigError(lr_overflow_message(optim_cfg, lr, step)) from None
-        update.stop()
-        model.zero_grad(set_to_none=True)  # all of them: a skipped ZeRO-1 step leaves other ranks' shares too
-    balancers = [moe.balancer for moe in state.moe_layers()]
-    with region("router_dispatch"):
-        update_biases_if_finite(balancers, state.balance_group, finite)
-    layers = len(balancers)
-    queued = [sums / denom, grad_norm.reshape(1), counts, finite.reshape(1),
-              *(b.last_maxvio.reshape(1) for b in balancers), *(b.last_loads for b in balancers)]
-    if runtime.distributed:
-        queued.append(_shared_over_ranks(stop_requested, own_s_before, runtime))
-    host = read_to_host(queued)
-    (lm, extra), (norm,), (label_tokens, keys, tokens), (was_finite,) = host[:4]
-    maxvio = [v for (v,) in host[4 : 4 + layers]]
-    loads = [[int(x) for x in layer] for layer in host[4 + layers : 4 + 2 * layers]]
-    if runtime.distributed:
-        stop, *own = host[4 + 2 * layers]
-    else:
-        stop, own = stop_requested, [own_s_before]
-    return StepResult(
-        loss=lm, grad_norm=norm, lr=lr, label_tokens=int(label_tokens), keys_per_token=keys / max(tokens, 1.0),
-        maxvio_per_layer=maxvio, expert_loads=loads, stop_requested=bool(stop), aux_loss=extra,
-        skipped=not was_finite, optimizer_s=update.seconds(), own_s_per_rank=own,
-    )
+    return lm_sum, extra_sum
+
+
+def _pipeline_micro_batches(state: ModelState, micro_batches: Sequence, docs: list[DocumentBounds],
+                            denom: torch.Tensor, runtime: Runtime, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's micro-batches through the pipeline's schedule (the same per-micro-batch weights
+    n_i / N); every rank rebuilt the document bounds from the host, so only the stream crosses ranks."""
+    pipeline, device = state.pipeline, runtime.device
+    batches = []
+    for batch, bounds in zip(micro_batches, docs):
+        n = batch.num_label_tokens
+        with region("data"):
+            input_ids = upload(batch.input_ids, device) if pipeline.has_first else None
+            labels = upload(batch.labels, device) if pipeline.has_last else None
+        scale = torch.full_like(denom, n) / denom  # n / N, correctly rounded; 0 for a micro-batch without labels
+        batches.append(StageBatch(batch.input_ids.shape[-1], input_ids, labels, bounds, scale, n))
+    activations = torch.bfloat16 if state.autocast_forward and runtime.compute_dtype == torch.bfloat16 else None
+    return pipeline.run(batches, autocast, activations or pipeline.compute_dtype)
+
+
+def _sum_over_pipeline(values: torch.Tensor, state: ModelState) -> torch.Tensor:
+    """In-place sum over the pipeline's ranks (each stage contributes its terms: the LM loss comes
+    from the last stage), so that every rank reports the step's loss."""
+    if state.pipeline is not None:
+        dist.all_reduce(values, group=state.pipeline.group)
+    return values
+
+
+def _routing_statistics(state: ModelState, balancers: list,
+                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """MaxVio [layers] and expert loads [layers, experts] of every MoE layer of the model, in order (a
+    pipeline's ranks gather their stages' layers over the pipeline)."""
+    if state.pipeline is not None:
+        return state.pipeline.routing_statistics()
+    if not balancers:
+        return torch.zeros(0, dtype=torch.float64, device=device), torch.zeros(0, 0, device=device)
+    return (torch.stack([b.last_maxvio.reshape(()).double() for b in balancers]),
+            torch.stack([b.last_loads.double() for b in balancers]))
 
 
 # ------------------------------------------------------------------------- a stage's steps

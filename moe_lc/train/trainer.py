@@ -360,7 +360,10 @@ class Trainer:
             self.log.message(f"layout changes for stage {plan.name}: {plan.layout.describe()}; reloading {resume_path}")
             if self.runtime.device.type == "cuda":
                 torch.cuda.empty_cache()
-        state = build_model_state(cfg.model, cfg.optim, plan.layout, self.runtime, cfg.seed, plan.checkpointing)
+        state = build_model_state(cfg.model, cfg.optim, plan.layout, self.runtime, cfg.seed, plan.checkpointing,
+                                  plan.seq_len)
+        if state.pipeline is not None:
+            self.log.message(state.pipeline.describe())
         if resume_path is not None:
             trainer, rng = self.checkpoints.load(resume_path, state.model, state.optimizer)
             if rng is not None:
