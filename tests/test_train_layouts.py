@@ -1,8 +1,9 @@
 """A checkpoint saved under one parallel layout resumes under another. Two ranks (torchrun, gloo,
 moe_lc.parallel) train stage ctx256 data-parallel (FSDP2) and switch to tensor parallelism for
 stage ctx1k inside the run (checkpoint, rebuild, reload); one process then resumes from the
-FSDP checkpoint. All follow the single-process run: the same global batches, only summation
-orders differ.
+FSDP checkpoint. Two ranks likewise switch from data parallelism to context parallelism (cp=2:
+each rank runs its zigzag shard of every row) at the stage boundary. All follow the
+single-process run: the same global batches, only summation orders differ.
 
 The proxy-8k recipe's first stage, unedited but for the tiny model and a small sequence and
 batch, fits one process and two ranks (its layout fits the world) and takes its first step on
@@ -32,6 +33,7 @@ from moe_lc.train.main import run_bench_cli, run_train_cli  # noqa: E402
 FAST = [
     "device=cpu",
     "precision=fp64",
+    "model.mtp=true",  # MTP's targets cross chunk edges under cp
     "curriculum.run=[ctx256,ctx1k]",
     "curriculum.stages.ctx256.steps=3",
     "curriculum.stages.ctx256.global_batch_tokens=1024",
@@ -63,22 +65,34 @@ def cache(tmp_path_factory):
     return str(tmp_path_factory.getbasetemp() / "moe_lc_cache")
 
 
-def test_two_data_parallel_ranks_then_one_process(tmp_path, cache, monkeypatch):
-    monkeypatch.setenv("MOE_LC_CACHE", cache)
-    single = tmp_path / "single"
-    assert run_train_cli([*FAST, f"run_dir={single}"]) == 0
-    ref = _losses(single)
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, cache) -> Path:
+    """The uninterrupted single-process run every layout is compared with."""
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MOE_LC_CACHE", cache)
+        assert run_train_cli([*FAST, f"run_dir={run_dir}"]) == 0
+    return run_dir
 
-    dp2 = tmp_path / "dp2"
+
+def _two_ranks(cache: str, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "MOE_LC_CACHE": cache, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "moe_lc.train", *FAST, "layout=dp2", "curriculum.stages.ctx1k.layout={tp: 2, dp_shard: 1}",
-         f"run_dir={dp2}"],
+         "-m", "moe_lc.train", *FAST, *overrides, f"run_dir={run_dir}"],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "device cpu x 2 (fp64)" in proc.stdout and "layout changes for stage ctx1k" in proc.stdout
+    return proc
+
+
+def test_two_data_parallel_ranks_then_one_process(tmp_path, cache, single, monkeypatch):
+    monkeypatch.setenv("MOE_LC_CACHE", cache)
+    ref = _losses(single)
+
+    dp2 = tmp_path / "dp2"
+    _two_ranks(cache, dp2, "layout=dp2", "curriculum.stages.ctx1k.layout={tp: 2, dp_shard: 1}")
     two = _losses(dp2)
     assert sorted(two) == sorted(ref) == [1, 2, 3, 4, 5]
     for step in ref:
@@ -99,6 +113,21 @@ def test_two_data_parallel_ranks_then_one_process(tmp_path, cache, monkeypatch):
     assert sorted(got) == [3, 4, 5]
     for step in got:  # across the ctx256 -> ctx1k boundary, on one process
         assert got[step] == pytest.approx(ref[step], rel=RTOL)
+
+
+def test_data_parallel_then_context_parallel_at_a_stage_boundary(tmp_path, cache, single):
+    """ctx256 on two data-parallel ranks, then ctx1k with cp=2: both ranks read the same rows and
+    each computes its two zigzag chunks of every row (KDA's segment states, MLA's gathered latents,
+    the convolution halo, MTP's targets across the chunk edges, label counts over dp x cp)."""
+    run = tmp_path / "cp2"
+    proc = _two_ranks(cache, run, "layout=dp2", "curriculum.stages.ctx1k.layout={cp: 2, dp_shard: 1}")
+    assert "cp=2" in proc.stdout
+    for key in ("loss", "grad_norm", "label_tokens"):
+        got, ref = _losses(run, key), _losses(single, key)
+        assert sorted(got) == sorted(ref) == [1, 2, 3, 4, 5], key
+        for step in ref:
+            assert got[step] == pytest.approx(ref[step], rel=RTOL), (key, step)
+    assert _losses(run, "keys_per_token") == pytest.approx(_losses(single, "keys_per_token"), rel=1e-12)
 
 
 PROXY_8K_TINY = ["model=tiny", "curriculum.stages.ctx8k.seq_len=256", "curriculum.stages.ctx8k.global_batch_tokens=1024",

@@ -8,7 +8,10 @@ The loss of the step is the mean over the label tokens of the whole global batch
 so each micro-batch's backward is scaled by n_i / N and gradients are summed (never averaged)
 over data-parallel ranks; the result is independent of how the batch is split. With pp > 1 the
 micro-batches go through the pipeline's schedule instead of one after the other, with the same
-weights, and the reported terms are summed over the pipeline's stages.
+weights, and the reported terms are summed over the pipeline's stages. With cp > 1 every cp rank
+reads the same rows and runs its zigzag shard of each (`moe_lc.parallel.context.shard_model_inputs`);
+n_i and N count the shard's label tokens, summed over dp x cp, and MTP's mean over the row's
+targets is split by each shard's share of them, so the step equals one process on the whole rows.
 After the optimizer step every MoE layer's balancer turns the step's routing statistics
 into the bias for the next step: one reduction over the ranks that held tokens.
 
@@ -44,7 +47,9 @@ from moe_lc.metrics.breakdown import region
 from moe_lc.model.accounting import causal_keys_per_token
 from moe_lc.ops.documents import DocumentBounds, upload
 from moe_lc.optim import OptimConfig, apply_lr
+from moe_lc.model.transformer import IGNORE_INDEX, ModelOutput, mtp_labels
 from moe_lc.parallel import data_parallel_group
+from moe_lc.parallel.context import ContextShard, shard_model_inputs, shard_row
 from moe_lc.parallel.pipeline_stage import StageBatch
 from moe_lc.train.bad_steps import step_if_finite, update_biases_if_finite
 from moe_lc.train.curriculum import StagePlan
@@ -183,19 +188,22 @@ def train_step(
     optimizer, device = state.optimizer, runtime.device
     with region("data"):
         docs = [DocumentBounds.from_host(b.cu_seqlens, device) for b in micro_batches]
+        context = _context_shard(state, micro_batches)
+        labels_here = [_label_tokens_here(b, context) for b in micro_batches]
         lengths = [n for d in docs for n in d.lengths]
         tokens = sum(lengths)
-        labels = sum(b.num_label_tokens for b in micro_batches)
+        share = context.size if context is not None else 1  # cp ranks read the same rows
         # [label tokens, keys attended, tokens] of the global batch
-        counts = upload(torch.tensor([labels, causal_keys_per_token(lengths) * tokens, tokens],
-                                     dtype=torch.float64), device)
+        counts = upload(torch.tensor([sum(labels_here), causal_keys_per_token(lengths) * tokens / share,
+                                      tokens / share], dtype=torch.float64), device)
         counts = _sum_over_data_parallel(counts, state)
         denom = counts[0].clamp(min=1)
     autocast = runtime.autocast if state.autocast_forward else contextlib.nullcontext
     if state.pipeline is not None:
         lm_sum, extra_sum = _pipeline_micro_batches(state, micro_batches, docs, denom, runtime, autocast)
     else:
-        lm_sum, extra_sum = _micro_batches(state, micro_batches, docs, denom, runtime, autocast)
+        lm_sum, extra_sum = _micro_batches(state, micro_batches, docs, labels_here, denom, runtime, autocast,
+                                           context)
     state.finish_gradient_sync()
     sums = _sum_over_pipeline(_sum_over_data_parallel(torch.stack([lm_sum, extra_sum]), state), state)
     update = Interval(device)
@@ -234,20 +242,31 @@ def train_step(
     )
 
 
-def _micro_batches(state: ModelState, micro_batches: Sequence, docs: list[DocumentBounds], denom: torch.Tensor,
-                   runtime: Runtime, autocast) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward and backward of each micro-batch in turn; (sum n_i lm_i, sum n_i extra_i) on this rank."""
+def _micro_batches(state: ModelState, micro_batches: Sequence, docs: list[DocumentBounds], labels_here: list[int],
+                   denom: torch.Tensor, runtime: Runtime, autocast,
+                   context: Optional[ContextShard]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of each micro-batch in turn (this rank's shard of it under cp);
+    (sum n_i lm_i, sum n_i extra_i) on this rank."""
     model, device = state.model, runtime.device
     lm_sum = torch.zeros((), dtype=torch.float64, device=device)
     extra_sum = torch.zeros((), dtype=torch.float64, device=device)
     last = len(micro_batches) - 1
-    for i, (batch, bounds) in enumerate(zip(micro_batches, docs)):
+    for i, (batch, bounds, n) in enumerate(zip(micro_batches, docs, labels_here)):
         state.set_gradient_sync(i == last)
         with region("data"):
             input_ids, targets = upload(batch.input_ids, device), upload(batch.labels, device)
+        if context is not None:
+            inputs = shard_model_inputs(input_ids, targets, bounds, context)
+            with autocast():
+                out = model(**inputs, return_logits=False)
+            lm, extra = _shard_objective(out, n, batch.num_label_tokens, inputs["mtp_targets"],
+                                         mtp_labels(targets, bounds), denom, model.mtp_weight)
+            (lm + extra).backward()
+            lm_sum += lm.detach().double() * denom
+            extra_sum += extra.detach().double() * denom
+            continue
         with autocast():
             out = model(input_ids, labels=targets, docs=bounds, return_logits=False)
-        n = batch.num_label_tokens
         if n == 0:  # nothing to learn (all padding); backward anyway so that data-parallel hooks fire.
             # The loss over no labels is NaN, its gradient zero: cross-entropy writes only at labels.
             (out.loss * 0.0).backward()
@@ -256,6 +275,44 @@ def _micro_batches(state: ModelState, micro_batches: Sequence, docs: list[Docume
         lm_sum += out.lm_loss.detach().double() * n
         extra_sum += (out.loss.detach() - out.lm_loss.detach()).double() * n
     return lm_sum, extra_sum
+
+
+def _context_shard(state: ModelState, micro_batches: Sequence) -> Optional[ContextShard]:
+    """This rank's place in the cp group for the step's rows (None without context parallelism)."""
+    if state.layout is None or state.layout.cp == 1 or not micro_batches:
+        return None
+    return ContextShard.from_mesh(state.mesh, micro_batches[0].input_ids.shape[-1])
+
+
+def _label_tokens_here(batch, context: Optional[ContextShard]) -> int:
+    """Label tokens of the micro-batch this rank computes: all of them, or its shard's under cp (host)."""
+    if context is None:
+        return batch.num_label_tokens
+    return int((shard_row(batch.labels, context) != IGNORE_INDEX).sum())
+
+
+def _where_counted(value: torch.Tensor, count) -> torch.Tensor:
+    """``value`` where ``count`` > 0, else 0: a mean over no tokens is NaN, and its gradient is zero anyway."""
+    return torch.where(torch.as_tensor(count, device=value.device) > 0, value, torch.zeros_like(value))
+
+
+def _shard_objective(out: ModelOutput, n_here: int, n_row: int, mtp_here: torch.Tensor, mtp_row: torch.Tensor,
+                     denom: torch.Tensor, mtp_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cp rank's terms of the micro-batch's share n / N (lm + w mtp + aux) of the step's loss:
+    (its LM term, the rest). Summed over the cp ranks they equal one process on the whole row: the
+    LM term is lm_here n_here / N, MTP's mean over the row's m targets is split by each shard's
+    m_here / m; the auxiliary balance loss (moe.balancing=aux) is each shard's, weighted by its
+    label tokens."""
+    lm = _where_counted(out.lm_loss, n_here) * (torch.full_like(denom, n_here) / denom).to(out.lm_loss.dtype)
+    extra = torch.zeros_like(lm)
+    if out.mtp_loss is not None:
+        m_here = (mtp_here != IGNORE_INDEX).sum()
+        m_row = (mtp_row != IGNORE_INDEX).sum().clamp(min=1)
+        weight = (n_row * m_here.double() / (m_row.double() * denom)).to(out.mtp_loss.dtype)
+        extra = extra + mtp_weight * _where_counted(out.mtp_loss, m_here) * weight
+    if out.aux_loss is not None:
+        extra = extra + out.aux_loss * (torch.full_like(denom, n_here) / denom).to(out.aux_loss.dtype)
+    return lm, extra
 
 
 def _pipeline_micro_batches(state: ModelState, micro_batches: Sequence, docs: list[DocumentBounds],
