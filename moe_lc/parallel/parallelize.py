@@ -4,7 +4,7 @@ parallelism around an unchanged model.
 Order: the pipeline split (the rank keeps only its stages' parts of the model, under their names),
 tensor parallelism (DTensor parameters on the tp mesh, sequence-parallel regions, vocab-parallel
 embedding/head/loss), expert parallelism (expert weights on the ep mesh, the all-to-all dispatch),
-local-parameter hooks, activation checkpointing of the decoder layers (a recompute then reruns the
+FP8 linears (``precision=fp8``), local-parameter hooks, activation checkpointing of the decoder layers (a recompute then reruns the
 hooks and collectives above, inside the layer), the pipeline's stage modules (views of the layers
 as they now are), then FSDP2 (it must come last: it wraps DTensor parameters from the same root
 mesh and its hooks must run outside ours; under a pipeline each stage is a root).
@@ -29,6 +29,7 @@ from moe_lc.model.transformer import MoELCModel
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
 from moe_lc.parallel.data_parallel import DataParallelGroups, apply_fsdp, mixed_precision_policy
 from moe_lc.parallel.expert_parallel import apply_expert_parallel
+from moe_lc.parallel.float8 import Float8Training, apply_float8
 from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.parallel.local_params import expose_all_local_parameters
 from moe_lc.parallel.mesh import build_expert_mesh, data_parallel_group, dims_group
@@ -54,6 +55,7 @@ def parallelize(
     mesh: DeviceMesh,
     checkpointing: Optional[ActivationCheckpointing] = None,
     seq_len: Optional[int] = None,
+    float8: Optional[Float8Training] = None,
 ) -> MoELCModel:
     """Apply ``layout`` and the activation ``checkpointing`` policy (None: none) to ``model`` in place
     (and return it). Every rank must pass an identical model.
@@ -63,6 +65,7 @@ def parallelize(
     With pp > 1 the model keeps this rank's stages only and is trained through
     ``parallel_context(model).pipeline``; ``seq_len`` is the sequence length the stages are balanced
     for (attention's cost grows with it; None: 4096), unless the layout lists ``pp_stage_layers``.
+    ``float8``: convert the dense linears to FP8 (``moe_lc.parallel.float8``; None: none).
     """
     if getattr(model, "moe_lc_parallel", None) is not None:
         raise ConfigError("this model is already parallelized; build a fresh model for another layout")
@@ -80,6 +83,8 @@ def parallelize(
         apply_tensor_parallel(model, mesh["tp"])
     if layout.ep > 1:
         apply_expert_parallel(model, expert_mesh["ep"])
+    if float8 is not None:
+        apply_float8(model, float8, layout.tp)
     expose_all_local_parameters(model)
     apply_activation_checkpointing(model, checkpointing or ActivationCheckpointing())
     stages = build_stages(model, pipeline_plan, pp_rank) if pipeline_plan is not None else None

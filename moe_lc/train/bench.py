@@ -42,7 +42,7 @@ from moe_lc.model.accounting import training_flops_per_token
 from moe_lc.train.config import TrainConfig
 from moe_lc.train.curriculum import StagePlan, plan_curriculum, total_steps
 from moe_lc.train.data import build_stage_data
-from moe_lc.train.model_setup import build_model_state
+from moe_lc.train.model_setup import build_model_state, float8_policy
 from moe_lc.train.runtime import Runtime, init_runtime
 from moe_lc.train.step import TakenStep, run_steps
 
@@ -127,7 +127,8 @@ def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled
         raise ConfigError("the recipe runs no stage (curriculum.run, max_steps): pick one with --stage NAME")
     matmul_peak = measured_matmul_peak(device)  # before the model: the device is otherwise idle
     reset_peak_memory(device)
-    state = build_model_state(cfg.model, cfg.optim, plan.layout, runtime, cfg.seed)
+    state = build_model_state(cfg.model, cfg.optim, plan.layout, runtime, cfg.seed, plan.checkpointing, plan.seq_len,
+                              float8_policy(cfg))
     data = build_stage_data(plan, cfg.data, cfg.model.vocab_size, cfg.seed, sync=runtime.rank0_first)
     count = warmup + steps + (PROFILER_WARMUP_STEPS + PROFILED_STEPS if profiled else 0)
     taken_steps = run_steps(state, data, range(plan.start_step, plan.start_step + count), 0, total_steps(plans),
@@ -188,7 +189,7 @@ def _result(
         world_size=world,
         device_type=device.type,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} thread(s))",
-        precision="bf16 autocast, fp32 weights" if runtime.compute_dtype == torch.bfloat16 else "fp32",
+        precision=runtime.precision_label,
         warmup_steps=warmup,
         steps=len(timed),
         step_time_s=step_time,

@@ -22,6 +22,7 @@ from omegaconf import MISSING
 from moe_lc.config import ConfigError, ModelConfig
 from moe_lc.optim import OptimConfig
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing
+from moe_lc.parallel.float8 import Float8Training
 from moe_lc.parallel.layout import ParallelLayout
 
 # Data-source prefixes that name built-in data instead of a `.bin`/`.idx` path.
@@ -168,7 +169,10 @@ class TrainConfig:
     run_dir: str = "runs/${recipe}"
     seed: int = 0
     device: str = "auto"  # auto (cuda when available) | cpu | cuda
-    precision: str = "auto"  # auto (bf16 autocast + fp32 weights on GPU, fp32 on CPU) | fp32 | bf16 | fp64 (tests)
+    # auto (bf16 autocast + fp32 weights on GPU, fp32 on CPU) | fp32 | bf16 | fp8 (GPU: the dense linears'
+    # GEMMs in float8, the rest as bf16; `float8:` below) | fp64 (tests)
+    precision: str = "auto"
+    float8: Float8Training = field(default_factory=Float8Training)  # how precision=fp8 runs
     resume: str = "auto"  # auto (newest valid checkpoint; fresh only in a new run dir) | none | fresh | PATH
     init_from: Optional[str] = None  # checkpoint whose model weights start a fresh run
     max_steps: Optional[int] = None  # stop after this global step (the schedule still spans the curriculum)

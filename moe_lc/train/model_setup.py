@@ -18,7 +18,9 @@ from torch import nn
 from moe_lc.config import ConfigError, ModelConfig
 from moe_lc.optim import OptimConfig, build_optimizer, clip_grad_norm
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
+from moe_lc.parallel.float8 import Float8Training, apply_float8
 from moe_lc.parallel.layout import ParallelLayout
+from moe_lc.train.config import TrainConfig
 from moe_lc.train.runtime import Runtime
 
 
@@ -80,6 +82,11 @@ def _optimizer_over(model: nn.Module, cfg: OptimConfig):
     return make
 
 
+def float8_policy(cfg: TrainConfig) -> Optional[Float8Training]:
+    """The run's FP8 policy when it trains with precision=fp8, else None."""
+    return cfg.float8 if cfg.precision == "fp8" else None
+
+
 def build_model_state(
     model_cfg: ModelConfig,
     optim_cfg: OptimConfig,
@@ -88,9 +95,11 @@ def build_model_state(
     seed: int,
     checkpointing: Optional[ActivationCheckpointing] = None,
     seq_len: Optional[int] = None,
+    float8: Optional[Float8Training] = None,
 ) -> ModelState:
     """Model and optimizer for ``layout`` with the activation ``checkpointing`` policy (None: none);
-    ``seq_len``: what a pipeline's stages are balanced for (the first stage this model trains)."""
+    ``seq_len``: what a pipeline's stages are balanced for (the first stage this model trains);
+    ``float8``: the FP8 linears of ``precision=fp8`` (None: none)."""
     from moe_lc.model.init import build_model
 
     layout.validate(model_cfg, runnable=True)  # before building anything: pp > 1 with cp > 1 is only planned so far
@@ -100,6 +109,8 @@ def build_model_state(
     if runtime.world_size == 1:
         if layout.world_size != 1:
             raise ConfigError(f"the layout needs {layout.world_size} ranks but this is a single process")
+        if float8 is not None:
+            apply_float8(model, float8)
         apply_activation_checkpointing(model, checkpointing)
         model.train()
         return ModelState(model, build_optimizer(model, optim_cfg), layout, None, 0, 1, None, True)
@@ -107,7 +118,7 @@ def build_model_state(
     from moe_lc import parallel
 
     mesh = parallel.build_mesh(layout, runtime.world_size, runtime.device.type)
-    model = parallel.parallelize(model, layout, mesh, checkpointing, seq_len)
+    model = parallel.parallelize(model, layout, mesh, checkpointing, seq_len, float8)
     model.train()
     if layout.dp_mode == "zero1":
         optimizer = parallel.build_optimizer(model, _optimizer_over(model, optim_cfg))

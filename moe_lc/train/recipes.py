@@ -211,7 +211,8 @@ def validate_train_config(cfg: TrainConfig) -> TrainConfig:
     cfg.model.validate()
     cfg.optim.validate()
     need(cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:"), f"device={cfg.device!r}: use auto, cpu or cuda")
-    need(cfg.precision in ("auto", "fp32", "bf16", "fp64"), f"precision={cfg.precision!r}: use auto, fp32, bf16 or fp64")
+    need(cfg.precision in ("auto", "fp32", "bf16", "fp8", "fp64"),
+         f"precision={cfg.precision!r}: use auto, fp32, bf16, fp8 or fp64")
     need(cfg.max_steps is None or cfg.max_steps >= 0, f"max_steps={cfg.max_steps} must be >= 0 or null")
     need(cfg.threads is None or cfg.threads >= 1, f"threads={cfg.threads} must be >= 1 or null")
     need(

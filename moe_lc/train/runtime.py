@@ -34,6 +34,13 @@ class Runtime:
     compute_dtype: torch.dtype  # bf16 (autocast over fp32 weights), fp32, or fp64 (float64 weights)
     started_process_group: bool
     collective_timeout_s: float = 0.0  # of every process group (0: one process, none)
+    float8: bool = False  # precision=fp8: the dense linears' GEMMs in float8 (moe_lc.parallel.float8)
+
+    @property
+    def precision_label(self) -> str:
+        if self.float8:
+            return "fp8 linears, bf16 autocast, fp32 weights"
+        return {torch.bfloat16: "bf16 autocast, fp32 weights", torch.float64: "fp64"}.get(self.compute_dtype, "fp32")
 
     @property
     def is_main(self) -> bool:
@@ -95,6 +102,12 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
     if precision == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if precision == "fp8":  # bf16 around the float8 GEMMs; only GPUs with FP8 tensor cores
+        from moe_lc.parallel.float8 import check_float8_device
+
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        check_float8_device(device.type, capability)
+        return torch.bfloat16
     # fp64: float64 weights and compute, so that runs under different layouts or batch splits can be
     # compared far below the size of any real error (tests; slow)
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}[precision]
@@ -138,6 +151,7 @@ def init_runtime(
     dev = pick_device(device, local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    dtype = compute_dtype(precision, dev)  # before the process group: a precision this device lacks fails here
     started = False
     if world > 1 and not dist.is_initialized():
         timeout = collective_timeouts(distributed.collective_timeout_s, distributed.flight_recorder_entries,
@@ -152,4 +166,4 @@ def init_runtime(
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
     timeout_s = distributed.collective_timeout_s if world > 1 else 0.0
-    return Runtime(rank, world, local_rank, dev, compute_dtype(precision, dev), started, timeout_s)
+    return Runtime(rank, world, local_rank, dev, dtype, started, timeout_s, float8=precision == "fp8")

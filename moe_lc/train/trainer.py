@@ -45,7 +45,7 @@ from moe_lc.train.data import StageData, build_stage_data, eval_dataset
 from moe_lc.train.evaluation import describe_eval, evaluate_stage
 from moe_lc.train.hangs import Activity, CollectiveFailure, is_collective_failure
 from moe_lc.train.health import Heartbeat, StragglerWatch
-from moe_lc.train.model_setup import ModelState, build_model_state
+from moe_lc.train.model_setup import ModelState, build_model_state, float8_policy
 from moe_lc.train.resume import RunPosition, Start, TrainerState, find_start, read_trainer_state
 from moe_lc.train.runlock import RunLock
 from moe_lc.train.runlog import RunLog
@@ -361,7 +361,7 @@ class Trainer:
             if self.runtime.device.type == "cuda":
                 torch.cuda.empty_cache()
         state = build_model_state(cfg.model, cfg.optim, plan.layout, self.runtime, cfg.seed, plan.checkpointing,
-                                  plan.seq_len)
+                                  plan.seq_len, float8_policy(cfg))
         if state.pipeline is not None:
             self.log.message(state.pipeline.describe())
         if resume_path is not None:
@@ -381,7 +381,7 @@ class Trainer:
         cfg, rt = self.cfg, self.runtime
         rep = count_parameters(cfg.model)
         start = f"resuming at step {position.step}" if self.start.resume else f"fresh start (seed {cfg.seed})"
-        dtype = {torch.bfloat16: "bf16 autocast, fp32 weights", torch.float64: "fp64"}.get(rt.compute_dtype, "fp32")
+        dtype = rt.precision_label
         return (
             f"moe-lc train: recipe {cfg.recipe}, model {cfg.model.name} ({rep.total:,} params, "
             f"{rep.active:,} active), {len(self.plans)} stages / {self.total} steps, device {rt.device} x "
