@@ -120,6 +120,13 @@ COMMANDS: dict[str, object] = {
         "loop,varlen --fresh 4",
         "TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 python benchmarks/bench_attention.py ...",
     )},
+    # docs/performance.md: the whole step
+    **{c: NotRun("whole-step GPU measurements (a CPU step of these models takes minutes)", needs="GPU") for c in (
+        "moe-lc bench proxy-8k --steps 20 --profile",
+        "moe-lc bench proxy-8k model=k3-small --steps 20 --profile",
+        "moe-lc bench proxy-8k model=k3-small precision=fp8 --steps 20",
+        "python benchmarks/bench_memory.py --recipe proxy-8k --seq-lens 8192,65536,262144 --policies none,selective,full",
+    )},
     # launch/ comments
     "bash launch/train_single_node.sh recipe=proxy-8k": Run(PROXY + " run_dir=runs/proxy-8k", env="MAX_RESTARTS=0"),
     "NPROC=2 bash launch/train_single_node.sh layout=dp2 curriculum.stages.ctx16k.global_batch_tokens=32768 "
