@@ -168,3 +168,51 @@ def test_the_trainer_refuses_fp8_on_cpu_in_one_line(capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert err == ("error: precision=fp8 needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+, e.g. "
                    "H100/H200); this run is on cpu: use precision=auto or bf16")
+
+
+# ----------------------------------------------------------------------------- with data parallelism
+
+FP8_LAYOUTS = [dict(dp_shard=2), dict(dp_shard=2, ep=2), dict(dp_shard=2, dp_mode="zero1")]
+
+
+def _float8_layouts(samples: list) -> list[dict]:
+    """Worker: one AdamW step of the tiny model in FP8 (tensorwise) under each layout."""
+    from parallel_harness import biases, full_state, rank_micro_batches, train_step
+
+    from moe_lc.parallel import (ActivationCheckpointing, ParallelLayout, build_mesh, build_optimizer,
+                                 data_parallel_info, parallelize)
+
+    reports = []
+    for fields in FP8_LAYOUTS:
+        layout = ParallelLayout(**fields)
+        mesh = build_mesh(layout)
+        model = parallelize(build_model(tiny(), "cpu", seed=0), layout, mesh,
+                            ActivationCheckpointing(mode="selective"), float8=Float8Training())
+        optimizer = build_optimizer(model, torch.optim.AdamW, lr=1e-3, eps=1e-4)
+        grads: dict = {}
+        loss = train_step(model, optimizer, rank_micro_batches(samples, *data_parallel_info(mesh), 1), mesh, grads)
+        reports.append(dict(loss=loss, grads=grads, params=full_state(model), biases=biases(model)))
+    return reports
+
+
+@pytest.mark.timeout(150)
+def test_float8_under_fsdp_zero1_and_ep_equals_one_process():
+    """Each rank's float8 GEMMs see what one process's see for the same micro-batch (the scales come
+    from the all-gathered weight and the rank's own activations), so a step over two ranks equals one
+    process accumulating the two ranks' micro-batches, up to the order of the gradient sum."""
+    from parallel_harness import biases, make_samples, rank_micro_batches, run_distributed, train_step
+
+    samples = make_samples(4, 16, 258, seed=7)
+    per_rank = run_distributed(_float8_layouts, 2, samples)
+    model = build_model(tiny(), "cpu", seed=0)
+    apply_float8(model, Float8Training())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
+    grads: dict = {}
+    loss = train_step(model, optimizer, [rank_micro_batches(samples, r, 2, 1)[0] for r in range(2)], None, grads)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    for fields, got in zip(FP8_LAYOUTS, per_rank[0]):
+        assert got["loss"] == pytest.approx(loss, rel=1e-6), fields
+        for name, p in params.items():
+            assert torch.allclose(got["grads"][name], grads[name], rtol=1e-5, atol=1e-7), (fields, name)
+            assert torch.allclose(got["params"][name], p, rtol=1e-5, atol=1e-7), (fields, name)
+        assert torch.equal(got["biases"], biases(model)), fields
