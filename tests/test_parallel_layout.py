@@ -53,7 +53,6 @@ def test_resolve_errors_name_the_field_and_the_fix(layout, world, needles):
         (dict(pp=2, pp_stage_layers=[2, 2]), 2, ["pp_stage_layers=[2, 2] must list 2 positive layer counts",
                                                  "summing to the model's 5 layers"]),
         (dict(pp=2, pp_schedule="zbv", pp_stage_layers=[2, 3]), 2, ["must list 4 positive layer counts"]),
-        (dict(pp=2, cp=2), 4, ["pp=2 with cp=2 is not implemented yet", "set one of them to 1"]),
     ],
 )
 def test_invalid_layouts_name_the_numbers_and_the_fix(layout, world, needles):
@@ -111,9 +110,8 @@ def test_resolved_layout_quantities_and_serialisation():
     assert ParallelLayout(**saved) == layout
     assert ParallelLayout(**{**saved, "gpus_per_node": 8}) == layout  # planning only: not part of equality
     assert ParallelLayout(**{**saved, "ep": 2}) != layout
-    assert layout.not_implemented() == ["pp=2 with cp=2"]
     assert saved["pp_schedule"] == "one_f_one_b" and saved["pp_stage_layers"] is None
-    layout.validate(tiny(), seq_len=64, runnable=False)  # planning accepts what is not implemented yet
+    layout.validate(tiny(), seq_len=64)  # pp x dp_replicate x dp_shard x cp x tp x ep all run together
     with pytest.raises(ConfigError, match="seq_len=30 divisible by 2\\*cp"):
         layout.validate(tiny(), seq_len=30, runnable=False)
     with pytest.raises(ConfigError, match="cp=2 x tp=4 needs seq_len=36 divisible by cp\\*tp"):

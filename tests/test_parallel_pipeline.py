@@ -396,11 +396,13 @@ def test_two_ranks_every_schedule_trains_like_one_process():
 def test_four_ranks_pipeline_composes_with_tensor_data_and_expert_parallelism():
     """pp=4 (1F1B over 4 stages, 4 micro-batches), pp=2 x tp=2 (sequence-parallel stream shards cross
     the boundary; zero-bubble split with tensor-parallel weight gradients) and pp=2 x dp_shard=2 with
-    ep=2 (FSDP inside each stage, experts folded over its two ranks, QB reduced per stage)."""
+    ep=2 (FSDP inside each stage, experts folded over its two ranks, QB reduced per stage), and pp=2 x
+    cp=2 (the stream crosses as each rank's zigzag shard; MTP's targets and the loss weights per shard)."""
     check_jobs(4, [
         Job(dict(pp=4, pp_stage_layers=FOUR_STAGES)),
         Job(dict(pp=2, tp=2, pp_schedule="interleaved_zero_bubble", pp_stage_layers=FOUR_STAGES, dp_mode="zero1")),
         Job(dict(pp=2, dp_shard=2, ep=2, pp_stage_layers=[3, 5])),
+        Job(dict(pp=2, cp=2, dp_shard=1, pp_stage_layers=[3, 5])),  # each stage runs its shard of the rows
     ], timeout=380)
 
 

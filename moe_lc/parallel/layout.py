@@ -26,8 +26,6 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EXPERT_MESH_DIMS = ("pp", "dp_replicate", "edp", "ep")
 DEGREES = (*MESH_DIMS, "ep")
 FILL = -1  # dp_shard: whatever the other degrees leave of the world
-# degrees that run alone but not yet together (the pipeline does not shard rows over cp)
-NOT_TOGETHER = (("pp", "cp"),)
 
 
 class Choice(str, Enum):
@@ -178,31 +176,15 @@ class ParallelLayout:
         return dataclasses.replace(self, dp_shard=dp_shard, cp=cp, ep=ep, world_size=world_size)
 
     # -- validation ------------------------------------------------------------------------
-    def not_implemented(self) -> list[str]:
-        """What this layout needs that the engine cannot do yet, e.g. ``["pp=4 with cp=2"]``.
-
-        Empty: it can run. Planning reports these; ``validate(runnable=True)`` refuses them.
-        """
-        return [" with ".join(f"{d}={getattr(self, d)}" for d in dims) for dims in NOT_TOGETHER
-                if all(getattr(self, d) > 1 for d in dims)]
-
     def validate(
         self, model_cfg: Optional[ModelConfig] = None, seq_len: Optional[int] = None, runnable: bool = True
     ) -> "ParallelLayout":
         """Raise ConfigError naming the field and a fix; call on a resolved layout before any process group.
 
-        runnable=False accepts what is only not implemented yet (pp > 1 with cp > 1), and pipeline
-        schedules this torch lacks, for planning.
+        runnable=False accepts pipeline schedules this torch lacks, for planning.
         """
         self.check_degrees()
         self._require_resolved("validate")
-        if runnable:
-            missing = self.not_implemented()
-            _require(
-                not missing,
-                f"layout: {' and '.join(missing)} is not implemented yet in moe_lc.parallel (each runs alone); "
-                "set one of them to 1 to train (moe-lc plan still plans such layouts)",
-            )
         _require(
             self.sequence_parallel or self.tp == 1,
             f"layout.tp={self.tp} with sequence_parallel=false: the MoE layers route every token once per "

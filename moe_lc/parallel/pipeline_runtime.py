@@ -125,13 +125,13 @@ class Pipeline:
             activation_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Forward and backward of every micro-batch through this rank's stages, in schedule order.
 
-        Returns this rank's sums of n_i x LM loss (its last stage; else 0) and n_i x the other terms
-        of the objective (MTP, balance losses), float64 device scalars. Gradients accumulate in the
-        parameters (scaled by n_i / N, the batches' ``scale``).
+        Returns this rank's sums of the weighted LM terms (its last stage; else 0) and of the other
+        weighted terms of the objective (MTP, balance losses), i.e. of n_i / N x each term, float64
+        device scalars. Gradients accumulate in the parameters (with the batches' ``weights``).
         """
         if len(batches) > MAX_MICRO_BATCHES:
             raise ValueError(f"a pipeline step takes at most {MAX_MICRO_BATCHES} micro-batches, got {len(batches)}")
-        device = batches[0].scale.device
+        device = batches[0].weights.lm.device
         step = _Step(batches, activation_dtype, lm_sum=torch.zeros((), dtype=torch.float64, device=device),
                      extra_sum=torch.zeros((), dtype=torch.float64, device=device))
         actions = rank_actions(self.layout.pp_schedule, self.layout.pp, self.layout.stages_per_rank, len(batches),
@@ -201,12 +201,10 @@ class Pipeline:
             origins[s] = t
         record = _Forward(received, reused, produced, result.partial, result.objective)
         step.forwards[(k, m)] = record
-        n = batch.label_tokens
-        if n > 0:
-            if result.lm_loss is not None:
-                step.lm_sum += result.lm_loss.double() * n
-            if result.extra is not None:
-                step.extra_sum += result.extra.double() * n
+        if result.lm_term is not None:
+            step.lm_sum += result.lm_term.double()
+        if result.extra is not None:
+            step.extra_sum += result.extra.double()
         if k == self.last:
             return
         nxt = self.plans[k + 1]
@@ -333,7 +331,7 @@ class Pipeline:
         k, m = action.stage, action.micro
         batch = step.batches[m]
         shape = stream_shape(batch.tokens, self.layout.tp, self.layout.cp, self.d_model)
-        device = batch.scale.device
+        device = batch.weights.lm.device
         if action.kind == RECV_F:
             into, peer, direction, key, sender = self.plans[k], self._peer(k - 1), 0, ("F", k, m), k - 1
         else:

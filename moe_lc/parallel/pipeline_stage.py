@@ -35,6 +35,7 @@ from moe_lc.model.transformer import MoELCModel, balance_loss
 from moe_lc.ops.documents import DocumentBounds
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing
 from moe_lc.parallel.layout import ParallelLayout
+from moe_lc.parallel.loss_weights import TermWeights, weighted_balance, weighted_terms
 from moe_lc.parallel.pipeline_schedule import stage_ranks
 from moe_lc.parallel.pipeline_split import pipeline_split
 
@@ -130,11 +131,11 @@ class StageBatch:
     """What every stage of one micro-batch reads besides the stream (host-known: no stage sends it)."""
 
     tokens: int  # T, the packed row's length
-    input_ids: Optional[Tensor]  # [1, T] on the device (first stage)
-    labels: Optional[Tensor]  # [1, T] on the device (last stage)
-    docs: Optional[DocumentBounds]  # rebuilt on every rank from the host boundaries
-    scale: Tensor  # n_i / N, the micro-batch's weight in the step's loss (a device scalar; 0 without labels)
-    label_tokens: int  # n_i
+    input_ids: Optional[Tensor]  # [1, T] on the device (first stage); this rank's [1, T / cp] under cp
+    labels: Optional[Tensor]  # [1, T] on the device (last stage); likewise
+    docs: Optional[DocumentBounds]  # rebuilt on every rank from the host boundaries (this rank's view under cp)
+    weights: TermWeights  # the micro-batch's weights in the step's loss on this rank (n_i / N without cp)
+    mtp_targets: Optional[Tensor] = None  # MTP's targets (last stage, under cp); None: made from the labels
 
 
 class StageResult(NamedTuple):
@@ -142,9 +143,9 @@ class StageResult(NamedTuple):
 
     produced: tuple[Tensor, ...]  # the sources completed in this stage, in order
     partial: Optional[Tensor]  # the partial sum at its output (non-last stages)
-    objective: Optional[Tensor]  # its share of the step's loss: LM + MTP (last), balance losses, times n_i / N
-    lm_loss: Optional[Tensor]  # the micro-batch's mean LM loss, detached (last stage)
-    extra: Optional[Tensor]  # MTP and balance terms of the objective, unweighted, detached
+    objective: Optional[Tensor]  # its share of the step's loss: LM + MTP (last), balance losses, weighted
+    lm_term: Optional[Tensor]  # the objective's LM term, detached (last stage)
+    extra: Optional[Tensor]  # its MTP and balance terms, detached
 
 
 class PipelineStage(nn.Module):
@@ -192,11 +193,13 @@ class PipelineStage(nn.Module):
         produced = state.sources[plan.sources if plan.stage > 0 else 0:] if state.mode != "none" else ()
         if not self.last:
             aux = balance_loss(self.moe)
-            objective = aux * batch.scale.to(aux.dtype) if aux is not None else None
-            return StageResult(tuple(produced), state.partial, objective, None, None if aux is None else aux.detach())
-        out = model.objective(model.head_input(state), batch.labels, batch.docs, False, self.moe)
-        objective = out.loss * batch.scale.to(out.loss.dtype)
-        return StageResult((), None, objective, out.lm_loss.detach(), (out.loss - out.lm_loss).detach())
+            if aux is None:
+                return StageResult(tuple(produced), state.partial, None, None, None)
+            objective = weighted_balance(aux, batch.weights)
+            return StageResult(tuple(produced), state.partial, objective, None, objective.detach())
+        out = model.objective(model.head_input(state), batch.labels, batch.docs, False, self.moe, batch.mtp_targets)
+        lm, extra = weighted_terms(out.lm_loss, out.mtp_loss, out.aux_loss, model.mtp_weight, batch.weights)
+        return StageResult((), None, lm + extra, lm.detach(), extra.detach())
 
 
 def keep_stage_parts(model: MoELCModel, stage_layers: Sequence[range], stages: Sequence[int]) -> MoELCModel:

@@ -65,10 +65,8 @@ def limits(c: Candidate, cluster: Cluster) -> str:
 
 
 def summary(c: Candidate, cluster: Cluster) -> str:
-    missing = c.layout.not_implemented()
-    marks = f"   [not runnable yet: {', '.join(missing)}]" if missing else ""
     return (f"{c.layout}, {c.policy.describe()}: {c.time.step:.3g} s/step, MFU {c.time.mfu(cluster):.0%}, "
-            f"{_gib(c.memory.total)} GiB{marks}")
+            f"{_gib(c.memory.total)} GiB")
 
 
 def recommendation_lines(rec: Recommendation, cluster: Cluster, runners_up: int) -> list[str]:

@@ -9,8 +9,7 @@ Searched: pp, dp_replicate, dp_shard, cp, tp and ep over the divisors of the GPU
 - cp only for rows of at least ``MIN_CP_TOKENS`` tokens per cp rank: cp grows with the context
   (it buys activation memory with the latents' all-gather, worth it only for long rows).
 
-Layouts the engine cannot run yet (`ParallelLayout.not_implemented`) are planned like the others and
-marked. A layout fits when its peak is at most the usable memory (the GPU's less the margin).
+A layout fits when its peak is at most the usable memory (the GPU's less the margin).
 """
 
 from __future__ import annotations

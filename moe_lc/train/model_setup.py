@@ -102,7 +102,7 @@ def build_model_state(
     ``float8``: the FP8 linears of ``precision=fp8`` (None: none)."""
     from moe_lc.model.init import build_model
 
-    layout.validate(model_cfg, runnable=True)  # before building anything: pp > 1 with cp > 1 is only planned so far
+    layout.validate(model_cfg, runnable=True)  # before building anything
     checkpointing = (checkpointing or ActivationCheckpointing()).check()
     weights = torch.float64 if runtime.compute_dtype == torch.float64 else torch.float32
     model = build_model(model_cfg, device=runtime.device, seed=seed, dtype=weights)

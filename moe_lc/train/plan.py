@@ -142,9 +142,6 @@ def plan_text(cfg: TrainConfig, world_size: int) -> str:
     fitted = "; ".join(f"{name} {', '.join(changes)}" for name, changes in lowered.items() if changes)
     if fitted:
         lines += ["", f"fitted to {world_size} rank(s): {fitted} (layout.world_size=N plans for N ranks)"]
-    missing = [f"{p.name}: {', '.join(p.layout.not_implemented())}" for p in plans if p.layout.not_implemented()]
-    if missing:
-        lines += ["", "not implemented yet in moe_lc.parallel (planned, cannot train): " + "; ".join(missing)]
     return "\n".join(lines)
 
 

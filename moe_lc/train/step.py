@@ -47,9 +47,10 @@ from moe_lc.metrics.breakdown import region
 from moe_lc.model.accounting import causal_keys_per_token
 from moe_lc.ops.documents import DocumentBounds, upload
 from moe_lc.optim import OptimConfig, apply_lr
-from moe_lc.model.transformer import IGNORE_INDEX, ModelOutput, mtp_labels
+from moe_lc.model.transformer import IGNORE_INDEX, mtp_labels
 from moe_lc.parallel import data_parallel_group
-from moe_lc.parallel.context import ContextShard, shard_model_inputs, shard_row
+from moe_lc.parallel.context import ContextShard, shard_documents, shard_model_inputs, shard_row
+from moe_lc.parallel.loss_weights import TermWeights, weighted_terms
 from moe_lc.parallel.pipeline_stage import StageBatch
 from moe_lc.train.bad_steps import step_if_finite, update_biases_if_finite
 from moe_lc.train.curriculum import StagePlan
@@ -200,7 +201,8 @@ def train_step(
         denom = counts[0].clamp(min=1)
     autocast = runtime.autocast if state.autocast_forward else contextlib.nullcontext
     if state.pipeline is not None:
-        lm_sum, extra_sum = _pipeline_micro_batches(state, micro_batches, docs, denom, runtime, autocast)
+        lm_sum, extra_sum = _pipeline_micro_batches(state, micro_batches, docs, labels_here, denom, runtime, autocast,
+                                                    context)
     else:
         lm_sum, extra_sum = _micro_batches(state, micro_batches, docs, labels_here, denom, runtime, autocast,
                                            context)
@@ -259,8 +261,9 @@ def _micro_batches(state: ModelState, micro_batches: Sequence, docs: list[Docume
             inputs = shard_model_inputs(input_ids, targets, bounds, context)
             with autocast():
                 out = model(**inputs, return_logits=False)
-            lm, extra = _shard_objective(out, n, batch.num_label_tokens, inputs["mtp_targets"],
-                                         mtp_labels(targets, bounds), denom, model.mtp_weight)
+            weights = TermWeights.shard(n, batch.num_label_tokens, inputs["mtp_targets"], mtp_labels(targets, bounds),
+                                        denom, IGNORE_INDEX)
+            lm, extra = weighted_terms(out.lm_loss, out.mtp_loss, out.aux_loss, model.mtp_weight, weights)
             (lm + extra).backward()
             lm_sum += lm.detach().double() * denom
             extra_sum += extra.detach().double() * denom
@@ -291,45 +294,32 @@ def _label_tokens_here(batch, context: Optional[ContextShard]) -> int:
     return int((shard_row(batch.labels, context) != IGNORE_INDEX).sum())
 
 
-def _where_counted(value: torch.Tensor, count) -> torch.Tensor:
-    """``value`` where ``count`` > 0, else 0: a mean over no tokens is NaN, and its gradient is zero anyway."""
-    return torch.where(torch.as_tensor(count, device=value.device) > 0, value, torch.zeros_like(value))
-
-
-def _shard_objective(out: ModelOutput, n_here: int, n_row: int, mtp_here: torch.Tensor, mtp_row: torch.Tensor,
-                     denom: torch.Tensor, mtp_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """A cp rank's terms of the micro-batch's share n / N (lm + w mtp + aux) of the step's loss:
-    (its LM term, the rest). Summed over the cp ranks they equal one process on the whole row: the
-    LM term is lm_here n_here / N, MTP's mean over the row's m targets is split by each shard's
-    m_here / m; the auxiliary balance loss (moe.balancing=aux) is each shard's, weighted by its
-    label tokens."""
-    lm = _where_counted(out.lm_loss, n_here) * (torch.full_like(denom, n_here) / denom).to(out.lm_loss.dtype)
-    extra = torch.zeros_like(lm)
-    if out.mtp_loss is not None:
-        m_here = (mtp_here != IGNORE_INDEX).sum()
-        m_row = (mtp_row != IGNORE_INDEX).sum().clamp(min=1)
-        weight = (n_row * m_here.double() / (m_row.double() * denom)).to(out.mtp_loss.dtype)
-        extra = extra + mtp_weight * _where_counted(out.mtp_loss, m_here) * weight
-    if out.aux_loss is not None:
-        extra = extra + out.aux_loss * (torch.full_like(denom, n_here) / denom).to(out.aux_loss.dtype)
-    return lm, extra
-
-
 def _pipeline_micro_batches(state: ModelState, micro_batches: Sequence, docs: list[DocumentBounds],
-                            denom: torch.Tensor, runtime: Runtime, autocast) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's micro-batches through the pipeline's schedule (the same per-micro-batch weights
-    n_i / N); every rank rebuilt the document bounds from the host, so only the stream crosses ranks."""
+                            labels_here: list[int], denom: torch.Tensor, runtime: Runtime, autocast,
+                            context: Optional[ContextShard]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's micro-batches through the pipeline's schedule (the same per-micro-batch weights as
+    without a pipeline); every rank rebuilt the document bounds from the host, so only the stream
+    crosses ranks. Under cp each rank's stages run its shard of every row."""
     pipeline, device = state.pipeline, runtime.device
     batches = []
-    for batch, bounds in zip(micro_batches, docs):
-        n = batch.num_label_tokens
+    for batch, bounds, n in zip(micro_batches, docs, labels_here):
         with region("data"):
             input_ids = upload(batch.input_ids, device) if pipeline.has_first else None
             labels = upload(batch.labels, device) if pipeline.has_last else None
-        scale = torch.full_like(denom, n) / denom  # n / N, correctly rounded; 0 for a micro-batch without labels
-        batches.append(StageBatch(batch.input_ids.shape[-1], input_ids, labels, bounds, scale, n))
+        mtp_targets = None
+        if context is None:
+            weights = TermWeights.whole(n, denom)
+        else:
+            mtp_row = mtp_labels(labels, bounds) if labels is not None else None
+            mtp_targets = shard_row(mtp_row, context) if mtp_row is not None else None
+            weights = TermWeights.shard(n, batch.num_label_tokens, mtp_targets, mtp_row, denom, IGNORE_INDEX)
+            input_ids = shard_row(input_ids, context) if input_ids is not None else None
+            labels = shard_row(labels, context) if labels is not None else None
+            bounds = shard_documents(bounds, context)
+        batches.append(StageBatch(batch.input_ids.shape[-1], input_ids, labels, bounds, weights, mtp_targets))
     activations = torch.bfloat16 if state.autocast_forward and runtime.compute_dtype == torch.bfloat16 else None
-    return pipeline.run(batches, autocast, activations or pipeline.compute_dtype)
+    lm_terms, extra_terms = pipeline.run(batches, autocast, activations or pipeline.compute_dtype)
+    return lm_terms * denom, extra_terms * denom  # as sum n_i lm_i, like the other paths
 
 
 def _sum_over_pipeline(values: torch.Tensor, state: ModelState) -> torch.Tensor:
