@@ -46,6 +46,8 @@ def test_resolve_errors_name_the_field_and_the_fix(layout, world, needles):
         (dict(ep=3, dp_shard=3), 3, ["num_routed=8", "ep=3"]),
         (dict(ep=4, dp_shard=2), 2, ["layout.ep=4", "dp_shard*cp*tp=2*1*1=2"]),
         (dict(tp=2, sequence_parallel=False), 2, ["sequence_parallel=true"]),
+        (dict(dp_shard=2, dp_mode="zero1", fsdp_reduce_every_micro_batch=True), 2,
+         ["fsdp_reduce_every_micro_batch=true needs dp_mode=fsdp"]),
         (dict(pp=8), 8, ["layout.pp=8 x 1 stage(s) per rank = 8 pipeline stages exceed the model's 5 layers"]),
         (dict(pp=2, pp_schedule="zbv", pp_stages_per_rank=3), 2, ["pp_schedule=zbv runs 2 stage(s) per rank",
                                                                  "pp_stages_per_rank=2"]),

@@ -170,6 +170,7 @@ def test_data_and_expert_parallel_two_ranks():
         2,
         [
             Job("tiny", dict(dp_shard=2), micro=2),  # accumulation over two micro-batches per rank
+            Job("tiny", dict(dp_shard=2, fsdp_reduce_every_micro_batch=True), micro=2),  # reduce-scatter each
             Job("tiny", dict(dp_replicate=2)),
             Job("tiny", dict(dp_shard=2, ep=2)),
             Job("tiny", dict(dp_shard=2, dp_mode="zero1")),
@@ -220,3 +221,25 @@ def test_quantile_balancing_biases_over_several_steps():
     bias is computed from the same integer counts as in one process.
     """
     check_jobs(4, [Job("tiny", dict(dp_shard=2, tp=2, ep=4), steps=3)], compare_params=False)
+
+
+def _grads_after_a_micro_batch_without_sync(every: bool) -> bool:
+    """Worker: whether the parameters hold (sharded) gradients after one micro-batch with the sync off."""
+    from moe_lc.parallel import ParallelLayout, build_mesh, parallelize, set_gradient_sync
+    from moe_lc.ops.documents import DocumentBounds
+
+    layout = ParallelLayout(dp_shard=2, fsdp_reduce_every_micro_batch=every)
+    model = parallelize(build_model(get_preset("tiny"), "cpu", seed=0), layout, build_mesh(layout))
+    mb = pack(step_samples(0)[:1])
+    set_gradient_sync(model, False)  # not the step's last micro-batch
+    out = model(mb.input_ids, labels=mb.labels, docs=DocumentBounds.from_host(mb.cu_seqlens, "cpu"))
+    out.lm_loss.backward()
+    return all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.timeout(100)
+def test_fsdp_reduce_every_micro_batch_reduce_scatters_before_the_last_one():
+    """Without the option FSDP keeps the unsharded gradients to itself until the last micro-batch; with it
+    every micro-batch's backward reduce-scatters into the parameters' sharded gradients."""
+    assert run_distributed(_grads_after_a_micro_batch_without_sync, 2, True) == [True, True]
+    assert run_distributed(_grads_after_a_micro_batch_without_sync, 2, False) == [False, False]

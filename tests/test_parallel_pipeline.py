@@ -403,6 +403,7 @@ def test_four_ranks_pipeline_composes_with_tensor_data_and_expert_parallelism():
         Job(dict(pp=2, tp=2, pp_schedule="interleaved_zero_bubble", pp_stage_layers=FOUR_STAGES, dp_mode="zero1")),
         Job(dict(pp=2, dp_shard=2, ep=2, pp_stage_layers=[3, 5])),
         Job(dict(pp=2, cp=2, dp_shard=1, pp_stage_layers=[3, 5])),  # each stage runs its shard of the rows
+        Job(dict(pp=2, dp_shard=2, pp_stage_layers=[3, 5], fsdp_reduce_every_micro_batch=True)),
     ], timeout=380)
 
 

@@ -102,10 +102,14 @@ def _inside_moe(model: nn.Module, module: nn.Module) -> bool:
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Gradient accumulation: disable the data-parallel reduction on all but the last micro-batch.
+    """Gradient accumulation: disable the data-parallel reduction on all but the last micro-batch,
+    unless the layout reduces every micro-batch (``fsdp_reduce_every_micro_batch``).
 
     (FSDP only; ZeRO-1 reduces once in ``finish_gradient_sync``.)
     """
+    ctx = getattr(model, "moe_lc_parallel", None)
+    if ctx is not None and ctx.layout.fsdp_reduce_every_micro_batch:
+        enabled = True
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled, recurse=True)
 

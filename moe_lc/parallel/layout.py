@@ -78,6 +78,10 @@ class ParallelLayout:
     gradients are replicated over all data-parallel ranks, only the optimizer state is
     sharded (see ``moe_lc.parallel.data_parallel``).
     param_dtype: compute dtype of FSDP's unsharded parameters (master weights stay fp32).
+    fsdp_reduce_every_micro_batch: FSDP reduce-scatters each micro-batch's gradients into the
+    sharded ones, instead of keeping a whole unsharded fp32 copy of the rank's gradients across a
+    step's accumulation and reducing once: that copy's memory saved for (accumulation - 1) more
+    reductions per step.
 
     Pipeline (pp > 1): the decoder layers are cut into pp x stages-per-rank stages of consecutive
     layers; ``pp_schedule`` orders the micro-batches, ``pp_stages_per_rank`` (None: 1 for
@@ -94,6 +98,7 @@ class ParallelLayout:
     dp_mode: DPMode = DPMode.fsdp
     sequence_parallel: bool = True
     param_dtype: ParamDType = ParamDType.auto
+    fsdp_reduce_every_micro_batch: bool = False
     world_size: Optional[int] = None  # the rank count this layout is meant for (null: whatever is launched)
     pp_schedule: PipelineSchedule = PipelineSchedule.one_f_one_b
     pp_stages_per_rank: Optional[int] = None  # virtual stages per rank (null: what the schedule needs)
@@ -185,6 +190,11 @@ class ParallelLayout:
         """
         self.check_degrees()
         self._require_resolved("validate")
+        _require(
+            not self.fsdp_reduce_every_micro_batch or self.dp_mode == DPMode.fsdp,
+            "layout.fsdp_reduce_every_micro_batch=true needs dp_mode=fsdp (ZeRO-1 keeps replicated gradients "
+            "and reduces them once per step); set it to false or use fsdp",
+        )
         _require(
             self.sequence_parallel or self.tp == 1,
             f"layout.tp={self.tp} with sequence_parallel=false: the MoE layers route every token once per "
@@ -348,7 +358,8 @@ class ParallelLayout:
 
     def __str__(self) -> str:
         dims = " x ".join(f"{n}={getattr(self, n)}" for n in DEGREES if getattr(self, n) != 1)
-        return f"{dims or 'single rank'} ({self.dp_mode})"
+        reduce = ", reduce every micro-batch" if self.fsdp_reduce_every_micro_batch else ""
+        return f"{dims or 'single rank'} ({self.dp_mode}{reduce})"
 
 
 def parse_choice(kind: type[Choice], where: str, value: object) -> Choice:

@@ -357,9 +357,10 @@ class Pipeline:
     def _set_gradient_sync(self, last_backward: dict[int, int], index: int) -> None:
         if not last_backward:
             return
+        every = self.layout.fsdp_reduce_every_micro_batch
         for units in self.fsdp_units.values():
             for unit in units:
-                unit.set_requires_gradient_sync(last_backward.get(id(unit)) == index, recurse=False)
+                unit.set_requires_gradient_sync(every or last_backward.get(id(unit)) == index, recurse=False)
 
     # ------------------------------------------------------------------ after the step
 

@@ -11,7 +11,8 @@ the forward/backward's and the optimizer step's. Terms (bytes per GPU):
   and 8 B for the rest (embedding, head, vectors). FSDP: sharded like the weights; ZeRO-1: sharded
   over every data-parallel rank (dp_replicate x dp_shard x cp; experts dp_replicate x edp).
 - accumulation: with more than one micro-batch per step FSDP skips the reduce-scatter until the
-  last one and keeps every parameter's unsharded gradient in fp32 meanwhile (`reduce_dtype`).
+  last one and keeps every parameter's unsharded gradient in fp32 meanwhile (`reduce_dtype`);
+  nothing with ``fsdp_reduce_every_micro_batch`` (a reduce-scatter per micro-batch).
 - activations: what the in-flight micro-batches keep for backward
   (`moe_lc.parallel.activation_memory`, per layer and policy, tokens split over cp and tp), 1F1B
   keeping up to ``pp - s`` micro-batches on stage s; under cp the MLA layers that keep their keys
@@ -77,11 +78,12 @@ class Degrees:
     edp: int
     world: int
     fsdp: bool
+    reduce_every_micro_batch: bool = False  # FSDP without the unsharded accumulation
 
     @classmethod
     def of(cls, layout: ParallelLayout) -> "Degrees":
         return cls(layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.ep, layout.edp,
-                   layout.world_size, layout.dp_mode == "fsdp")
+                   layout.world_size, layout.dp_mode == "fsdp", layout.fsdp_reduce_every_micro_batch)
 
     @property
     def dp(self) -> int:
@@ -215,7 +217,7 @@ class MemoryModel:
         adamw_share = _sharded(adamw, L, over_replicas=not fsdp)
         optimizer = (optimizer_bytes_per_param(self.optimizer, False) * (state_share - adamw_share)
                      + optimizer_bytes_per_param(self.optimizer, True) * adamw_share)
-        accumulation = FP32 * local if fsdp and shape.grad_accum(L) > 1 else 0.0
+        accumulation = FP32 * local if fsdp and shape.grad_accum(L) > 1 and not L.reduce_every_micro_batch else 0.0
         logits = 0.0
         if stage.last:
             loss_tokens = shape.row_tokens // L.cp

@@ -1,7 +1,7 @@
 """The recommended layout of a stage: every layout the model allows on the cluster, priced, the fastest that fits.
 
 Searched: pp, dp_replicate, dp_shard, cp, tp and ep over the divisors of the GPU count, dp_mode
-(fsdp, zero1) and the checkpointing policy (none, selective, full; every layer). Rules beyond
+(fsdp, zero1; fsdp also reducing every micro-batch where a step accumulates) and the checkpointing policy (none, selective, full; every layer). Rules beyond
 `ParallelLayout.validate(model, seq_len, runnable=False)` and the stage's batch split:
 
 - tp within a node (it is on every layer's critical path);
@@ -87,9 +87,12 @@ def candidate_layouts(facts: ModelFacts, shape: StageShape, cluster: Cluster,
                 for dp_replicate in _divisors(dp):
                     dp_shard = dp // dp_replicate
                     for ep in _divisors(min(facts.expert_count, dp_shard * cp * tp, EP_MAX_NODES * gpn)):
-                        for mode in DPMode if dp_replicate == 1 else (DPMode.fsdp,):  # ZeRO-1 replicates anyway
+                        modes = [(mode, False) for mode in (DPMode if dp_replicate == 1 else (DPMode.fsdp,))]
+                        if shape.sequences_per_step // (shape.micro_batch * dp) > 1:  # accumulation
+                            modes.append((DPMode.fsdp, True))  # FSDP reducing every micro-batch
+                        for mode, every in modes:  # (ZeRO-1 replicates over dp_replicate anyway)
                             layout = ParallelLayout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp,
-                                                    tp=tp, ep=ep, dp_mode=mode,
+                                                    tp=tp, ep=ep, dp_mode=mode, fsdp_reduce_every_micro_batch=every,
                                                     sequence_parallel=template.sequence_parallel,
                                                     param_dtype=template.param_dtype, world_size=world,
                                                     gpus_per_node=gpn)

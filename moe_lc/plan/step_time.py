@@ -171,7 +171,7 @@ class _Rates:
     kda_pass: float  # the states' all-gather
     pp_source: float  # one residual-stream tensor over the stage boundaries
     fsdp_gather: float  # per micro-batch, forward and backward
-    fsdp_reduce: float  # the last micro-batch's gradient reduction
+    fsdp_reduce: float  # one micro-batch's gradient reduction (the last one's, or each one's)
     zero1_sync: float
     optimizer: float
 
@@ -212,7 +212,7 @@ class TimeModel:
             times.append(StepTime(
                 compute=m * c.compute, recompute=m * c.recompute, bubble=(L.pp - 1) * c.total,
                 tp=m * c.tp, ep=m * c.ep, cp=m * c.cp, pp=m * c.pp, fsdp=m * c.exposed_fsdp,
-                dp_sync=max(u.sync for u in micros), optimizer=max(r.optimizer for r in rates), stage=crit,
+                dp_sync=max(u.sync for u in micros) * (m if L.reduce_every_micro_batch else 1), optimizer=max(r.optimizer for r in rates), stage=crit,
                 model_flops=shape.sequences_per_step * shape.seq_len * self.model_flops_per_token,
             ))
         return times
