@@ -120,8 +120,11 @@ def test_data_parallel_then_context_parallel_at_a_stage_boundary(tmp_path, cache
     each computes its two zigzag chunks of every row (KDA's segment states, MLA's gathered latents,
     the convolution halo, MTP's targets across the chunk edges, label counts over dp x cp)."""
     run = tmp_path / "cp2"
-    proc = _two_ranks(cache, run, "layout=dp2", "curriculum.stages.ctx1k.layout={cp: 2, dp_shard: 1}")
-    assert "cp=2" in proc.stdout
+    proc = _two_ranks(cache, run, "layout=dp2", "curriculum.stages.ctx1k.layout={cp: 2, dp_shard: 1}",
+                      "eval.sequences=2", "eval.passkey_documents=1")  # the stage ends evaluate under dp, then cp
+    assert "cp=2" in proc.stdout and "eval skipped" not in proc.stdout
+    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert [e["stage"] for e in evals] == ["ctx256", "ctx1k"] and all(e["loss"] > 0 for e in evals)
     for key in ("loss", "grad_norm", "label_tokens"):
         got, ref = _losses(run, key), _losses(single, key)
         assert sorted(got) == sorted(ref) == [1, 2, 3, 4, 5], key

@@ -12,7 +12,6 @@ from moe_lc.data.synthetic import (
     answer_batch,
     associative_recall_document,
     passkey_document,
-    score_answers,
     synthetic_documents,
     write_synthetic,
 )
@@ -22,5 +21,5 @@ __all__ = [
     "Batch", "ByteTokenizer", "DataSource", "HFTokenizer", "IGNORE_INDEX", "PackedDataset", "PrepareStats",
     "Sample", "SyntheticDocument", "Tokenizer", "answer_batch", "associative_recall_document", "check_vocab",
     "collate", "default_corpus", "load_tokenizer", "passkey_document", "prepare_data", "read_meta",
-    "require_indexed", "score_answers", "synthetic_documents", "write_synthetic",
+    "require_indexed", "synthetic_documents", "write_synthetic",
 ]

@@ -214,15 +214,3 @@ def answer_batch(documents: Sequence[SyntheticDocument]) -> Batch:
     input_ids = torch.from_numpy(np.concatenate(ids)).unsqueeze(0)
     label_t = torch.from_numpy(np.concatenate(labels)).unsqueeze(0)
     return Batch(input_ids, label_t, torch.tensor(cu, dtype=torch.int32), int((label_t != IGNORE_INDEX).sum()))
-
-
-def score_answers(logits: torch.Tensor, batch: Batch) -> dict[str, float]:
-    """Mean cross-entropy and argmax accuracy over the labelled (answer) positions of a batch."""
-    logits = logits.reshape(-1, logits.shape[-1]).float()
-    labels = batch.labels.reshape(-1).to(logits.device)
-    mask = labels != IGNORE_INDEX
-    if not bool(mask.any()):
-        raise ValueError("the batch has no answer labels")
-    loss = torch.nn.functional.cross_entropy(logits[mask], labels[mask])
-    accuracy = (logits[mask].argmax(-1) == labels[mask]).float().mean()
-    return {"answer_loss": float(loss), "answer_accuracy": float(accuracy)}

@@ -6,6 +6,10 @@
    context; if the model uses it, their loss is lower.
 2. Passkey retrieval at the stage's length (moe_lc.data.synthetic): loss and accuracy on the
    answer tokens of a number stated once, at a random depth, and asked for at the end.
+
+Under context parallelism every cp rank runs its shard of each row and computes the per-token
+losses (and argmax hits) of its own positions; those per-token values, not the logits, are
+gathered into the row, so the result equals one process's.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_lc.ops.documents import DocumentBounds, upload
+from moe_lc.parallel.context import ContextShard, shard_model_inputs, shard_row, unshard_row
 
 IGNORE_INDEX = -100
 FIRST_BUCKET = 64
@@ -51,6 +56,13 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             logits[s : s + LOGIT_CHUNK].float(), labels[s : s + LOGIT_CHUNK], ignore_index=IGNORE_INDEX, reduction="none"
         )
     return out
+
+
+def answer_hits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-position 1.0 where the argmax is the label (0 where ignored). logits [1, N, V]."""
+    logits = _full(logits).reshape(-1, logits.shape[-1])
+    labels = labels.reshape(-1).to(logits.device)
+    return ((logits.argmax(-1) == labels) & (labels != IGNORE_INDEX)).float()
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -93,9 +105,13 @@ def evaluate_stage(
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     tokenizer: str = "byte",
     seed: int = 0,
+    context: Optional[Callable[[int], ContextShard]] = None,
 ) -> dict[str, Any]:
-    """Loss by position on `sequences` held-out sequences and passkey retrieval; restores train mode."""
-    from moe_lc.data import answer_batch, collate, score_answers, synthetic_documents
+    """Loss by position on `sequences` held-out sequences and passkey retrieval; restores train mode.
+
+    ``context``: under cp > 1, this rank's ContextShard for a row of a given length (every cp rank
+    calls this together)."""
+    from moe_lc.data import answer_batch, collate, synthetic_documents
 
     was_training = model.training
     model.eval()
@@ -104,10 +120,7 @@ def evaluate_stage(
         parts, total, count = [], 0.0, 0
         for i in range(sequences):
             batch = collate([eval_dataset[i]])
-            input_ids, docs = _on_device(batch, device)
-            with autocast():
-                out = model(input_ids, docs=docs)
-            losses = token_losses(out.logits, batch.labels)
+            losses, = _per_token(model, batch, device, autocast, context, token_losses)
             positions = positions_in_documents(batch.cu_seqlens, batch.input_ids.shape[1])
             parts.append(bucket_losses(losses, batch.labels, positions, seq_len))
             total += float(losses.double().sum())
@@ -119,15 +132,31 @@ def evaluate_stage(
         if passkey_documents > 0:
             docs = synthetic_documents("passkey", passkey_documents, seq_len, seed=seed, tokenizer=tokenizer)
             batch = answer_batch(docs)
-            input_ids, docs = _on_device(batch, device)
-            with autocast():
-                out = model(input_ids, docs=docs)
-            scores = score_answers(_full(out.logits), batch)
-            result["passkey_loss"] = scores["answer_loss"]
-            result["passkey_accuracy"] = scores["answer_accuracy"]
+            losses, hits = _per_token(model, batch, device, autocast, context, token_losses, answer_hits)
+            answers = batch.labels.reshape(-1) != IGNORE_INDEX
+            if not bool(answers.any()):
+                raise ValueError("the passkey batch has no answer labels")
+            result["passkey_loss"] = float(losses.cpu().double()[answers].mean())
+            result["passkey_accuracy"] = float(hits.cpu().double()[answers].mean())
     finally:
         model.train(was_training)
     return result
+
+
+def _per_token(model: torch.nn.Module, batch: Any, device: torch.device, autocast: Callable,
+               context: Optional[Callable[[int], ContextShard]], *measures: Callable) -> list[torch.Tensor]:
+    """Each of ``measures(logits, labels)`` for every position of the batch's row, [N]: one forward of
+    the row, or of this rank's shard of it under cp with the per-position values gathered."""
+    input_ids, docs = _on_device(batch, device)
+    if context is None:
+        with autocast():
+            logits = model(input_ids, docs=docs).logits
+        return [measure(logits, batch.labels) for measure in measures]
+    shard = context(input_ids.shape[-1])
+    with autocast():
+        logits = model(**shard_model_inputs(input_ids, None, docs, shard)).logits
+    labels = shard_row(batch.labels, shard)
+    return [unshard_row(measure(logits, labels).reshape(1, -1), shard).reshape(-1) for measure in measures]
 
 
 def _on_device(batch: Any, device: torch.device) -> tuple[torch.Tensor, DocumentBounds]:

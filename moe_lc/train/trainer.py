@@ -38,6 +38,7 @@ from moe_lc.checkpoint.coordination import Coordinator
 from moe_lc.metrics import device_peak_flops, mfu, peak_memory_bytes
 from moe_lc.model.accounting import count_parameters, training_flops_per_token
 from moe_lc.parallel.activation_checkpointing import activation_checkpointing_of, apply_activation_checkpointing
+from moe_lc.parallel.context import ContextShard
 from moe_lc.train.bad_steps import BadStepBudget, Spike, SpikeDetector, nonfinite_state
 from moe_lc.train.config import TrainConfig
 from moe_lc.train.curriculum import StagePlan, next_step_to_run, plan_curriculum, stage_at, total_steps
@@ -445,16 +446,17 @@ class Trainer:
 
     def _evaluate(self, state: ModelState, plan: StagePlan, data: StageData, position: RunPosition) -> None:
         cfg = self.cfg
-        if state.layout.cp > 1 or state.layout.pp > 1:
-            self.log.message(f"eval skipped for stage {plan.name}: not supported with cp/pp > 1 yet")
+        if state.layout.pp > 1:
+            self.log.message(f"eval skipped for stage {plan.name}: not supported with pp > 1 yet")
             return
+        context = (lambda row: ContextShard.from_mesh(state.mesh, row)) if state.layout.cp > 1 else None
         t0 = time.perf_counter()
         autocast = self.runtime.autocast if state.autocast_forward else contextlib.nullcontext
         with self.activity.doing(f"stage {plan.name}'s evaluation"):
             result = evaluate_stage(
                 state.model, eval_dataset(data, cfg.seed + cfg.eval.seed_offset), plan.seq_len, cfg.eval.sequences,
                 cfg.eval.passkey_documents, self.runtime.device, autocast, tokenizer=str(cfg.data.tokenizer),
-                seed=cfg.seed + cfg.eval.seed_offset,
+                seed=cfg.seed + cfg.eval.seed_offset, context=context,
             )
         result.update({"step": position.step, "stage": plan.name, "eval_time_s": time.perf_counter() - t0})
         self.log.eval(result)
