@@ -1,6 +1,7 @@
-"""The stage-end evaluation under context parallelism equals one process's: loss by position and
-passkey retrieval, with every cp rank running its zigzag shard of each row (two gloo ranks, float64:
-the runs differ only in summation order)."""
+"""The stage-end evaluation under context and pipeline parallelism equals one process's: loss by
+position and passkey retrieval, with every cp rank running its zigzag shard of each row, and the
+rows going forward through a pipeline's stages (gloo ranks, float64: the runs differ only in
+summation order)."""
 
 from __future__ import annotations
 
@@ -25,29 +26,40 @@ def _dataset() -> list[Sample]:
     return samples
 
 
-def _evaluate(cp: int) -> dict:
-    """Worker (or, with cp=1, one process): evaluate the tiny model with MTP off, in float64."""
-    model = build_model(tiny(), "cpu", seed=0, dtype=torch.float64)
-    context = None
-    if cp > 1:
-        from moe_lc.parallel import ParallelLayout, build_mesh, parallelize
+def _evaluate(layout: dict) -> dict:
+    """Worker (or, with an empty layout, one process): evaluate the tiny model with MTP, in float64."""
+    model = build_model(tiny(mtp=True), "cpu", seed=0, dtype=torch.float64)
+    context = pipeline = None
+    if layout:
+        from moe_lc.parallel import ParallelLayout, build_mesh, parallel_context, parallelize
         from moe_lc.parallel.context import ContextShard
 
-        layout = ParallelLayout(cp=cp, dp_shard=1)
-        mesh = build_mesh(layout)
-        model = parallelize(model, layout, mesh)
+        resolved = ParallelLayout(**layout)
+        mesh = build_mesh(resolved)
+        model = parallelize(model, resolved, mesh, seq_len=SEQ_LEN)
+        pipeline = parallel_context(model).pipeline
+        if resolved.cp > 1:
+            def context(row: int) -> ContextShard:
+                return ContextShard.from_mesh(mesh, row)
 
-        def context(row: int) -> ContextShard:
-            return ContextShard.from_mesh(mesh, row)
-
-    return evaluate_stage(model, _dataset(), SEQ_LEN, 3, 2, torch.device("cpu"), context=context)
+    return evaluate_stage(model, _dataset(), SEQ_LEN, 3, 2, torch.device("cpu"), context=context, pipeline=pipeline)
 
 
-@pytest.mark.timeout(100)
-def test_evaluation_under_cp_equals_one_process():
-    want = _evaluate(1)
-    got = run_distributed(_evaluate, 2, 2)
-    assert got[0] == got[1]  # every cp rank has the whole result
+@pytest.fixture(scope="module")
+def one_process() -> dict:
+    return _evaluate({})
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world, layout", [
+    (2, dict(cp=2, dp_shard=1)),
+    (2, dict(pp=2, dp_shard=1)),
+    (4, dict(pp=2, cp=2, dp_shard=1, pp_schedule="interleaved_1f1b", pp_stage_layers=[1, 1, 2, 1])),
+], ids=["cp2", "pp2", "pp2xcp2-interleaved"])
+def test_evaluation_under_cp_and_pp_equals_one_process(world, layout, one_process):
+    want = one_process
+    got = run_distributed(_evaluate, world, layout)
+    assert all(g == got[0] for g in got)  # every rank has the whole result
     result = got[0]
     assert result["tokens"] == want["tokens"] and [b["tokens"] for b in result["buckets"]] == \
         [b["tokens"] for b in want["buckets"]]

@@ -441,12 +441,15 @@ def test_checkpoints_move_between_one_process_and_a_pipeline(tmp_path, monkeypat
     gradient norms; a pp=2 checkpoint resumes on one process and a one-process checkpoint on pp=2, each
     continuing with the same step-3 loss. The pp=2 checkpoint holds the model's names, the embedding
     (kept on both end stages) once."""
+    import json
+
     from moe_lc.train.main import run_train_cli
 
     monkeypatch.setenv("MOE_LC_CACHE", str(tmp_path / "cache"))
     single, piped, into_pp, out_of_pp = (tmp_path / n for n in ("single", "pp2", "into_pp", "out_of_pp"))
     assert run_train_cli([*TRAIN, f"run_dir={single}"]) == 0
-    runs = [[*TRAIN, *PP2, f"run_dir={piped}"],
+    evaluated = ["eval.sequences=2", "eval.passkey_documents=1"]  # the stage end evaluates through the pipeline
+    runs = [[*TRAIN, *PP2, *evaluated, f"run_dir={piped}"],
             [*TRAIN, *PP2, f"run_dir={into_pp}", f"resume={single / 'checkpoints' / 'step_00000002'}"]]
     assert run_distributed(launches, 2, runs, timeout=280) == [[0, 0], [0, 0]]
     ref, ref_norms = _metrics(single), _metrics(single, "grad_norm")
@@ -455,6 +458,8 @@ def test_checkpoints_move_between_one_process_and_a_pipeline(tmp_path, monkeypat
         assert _metrics(piped)[step] == pytest.approx(ref[step], rel=REL)
         assert _metrics(piped, "grad_norm")[step] == pytest.approx(ref_norms[step], rel=REL)
     assert _metrics(into_pp) == {3: pytest.approx(ref[3], rel=REL)}
+    (result,) = [json.loads(line) for line in (piped / "eval.jsonl").read_text().splitlines()]
+    assert result["stage"] == "ctx256" and result["loss"] > 0 and 0 <= result["passkey_accuracy"] <= 1
     step2 = piped / "checkpoints" / "step_00000002"
     assert _checkpoint_keys(step2) == _checkpoint_keys(single / "checkpoints" / "step_00000002")
     assert run_train_cli([*TRAIN, f"run_dir={out_of_pp}", f"resume={step2}"]) == 0

@@ -89,6 +89,7 @@ class _Step:
     sends: list[Any] = field(default_factory=list)
     lm_sum: Optional[Tensor] = None
     extra_sum: Optional[Tensor] = None
+    measured: tuple[Tensor, ...] = ()  # evaluation: the last stage's measures
 
 
 class Pipeline:
@@ -159,6 +160,34 @@ class Pipeline:
                                f"{leftover}, unread {sorted(step.inbox)}); the schedule's order is inconsistent")
         return step.lm_sum, step.extra_sum
 
+    @torch.no_grad()
+    def evaluate(self, batch: StageBatch, autocast: Callable[[], contextlib.AbstractContextManager],
+                 activation_dtype: torch.dtype, lengths: Sequence[int]) -> list[Tensor]:
+        """A forward of one batch through every stage in order, for evaluation: the last stage's
+        ``batch.measures`` (per position), shared with every rank of the pipeline (``lengths``: the
+        number of positions each measure returns)."""
+        zero = torch.zeros((), dtype=torch.float64, device=batch.weights.lm.device)
+        step = _Step([batch], activation_dtype, lm_sum=zero.clone(), extra_sum=zero.clone())
+        for k in range(len(self.plans)):
+            if k not in self.stages:
+                continue
+            if k > 0 and not self._local(k - 1):
+                self._receive(step, Action(RECV_F, k, 0))
+            with autocast():
+                self._forward(step, Action(FORWARD, k, 0))
+            step.forwards.pop((k, 0))
+            if k < self.last and not self._local(k):
+                self._send(step, Action(SEND_F, k, 0))
+        for work in step.sends:
+            work.wait()
+        step.handed.clear()
+        out = list(step.measured) if self.has_last else [
+            torch.empty(n, dtype=torch.float32, device=zero.device) for n in lengths]
+        source = dist.get_global_rank(self.group, self.plans[self.last].rank)
+        for t in out:
+            dist.broadcast(t, src=source, group=self.group)
+        return out
+
     def describe(self) -> str:
         """One line for the run's log: the schedule and every stage's layers and rank."""
         stages = ", ".join(f"{p.layers.start}-{p.layers.stop - 1}@r{p.rank}" for p in self.plans)
@@ -201,6 +230,8 @@ class Pipeline:
             origins[s] = t
         record = _Forward(received, reused, produced, result.partial, result.objective)
         step.forwards[(k, m)] = record
+        if result.measured:
+            step.measured = result.measured
         if result.lm_term is not None:
             step.lm_sum += result.lm_term.double()
         if result.extra is not None:

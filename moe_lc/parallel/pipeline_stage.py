@@ -24,7 +24,7 @@ what none of its stages run.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -136,6 +136,8 @@ class StageBatch:
     docs: Optional[DocumentBounds]  # rebuilt on every rank from the host boundaries (this rank's view under cp)
     weights: TermWeights  # the micro-batch's weights in the step's loss on this rank (n_i / N without cp)
     mtp_targets: Optional[Tensor] = None  # MTP's targets (last stage, under cp); None: made from the labels
+    # evaluation (forward only): the last stage returns measure(logits, labels) per position instead of a loss
+    measures: tuple[Callable[[Tensor, Optional[Tensor]], Tensor], ...] = ()
 
 
 class StageResult(NamedTuple):
@@ -146,6 +148,7 @@ class StageResult(NamedTuple):
     objective: Optional[Tensor]  # its share of the step's loss: LM + MTP (last), balance losses, weighted
     lm_term: Optional[Tensor]  # the objective's LM term, detached (last stage)
     extra: Optional[Tensor]  # its MTP and balance terms, detached
+    measured: tuple[Tensor, ...] = ()  # evaluation: the batch's measures (last stage)
 
 
 class PipelineStage(nn.Module):
@@ -197,6 +200,9 @@ class PipelineStage(nn.Module):
                 return StageResult(tuple(produced), state.partial, None, None, None)
             objective = weighted_balance(aux, batch.weights)
             return StageResult(tuple(produced), state.partial, objective, None, objective.detach())
+        if batch.measures:
+            logits = model.logits_from_hidden(model.head_input(state))
+            return StageResult((), None, None, None, None, tuple(m(logits, batch.labels) for m in batch.measures))
         out = model.objective(model.head_input(state), batch.labels, batch.docs, False, self.moe, batch.mtp_targets)
         lm, extra = weighted_terms(out.lm_loss, out.mtp_loss, out.aux_loss, model.mtp_weight, batch.weights)
         return StageResult((), None, lm + extra, lm.detach(), extra.detach())

@@ -9,7 +9,9 @@
 
 Under context parallelism every cp rank runs its shard of each row and computes the per-token
 losses (and argmax hits) of its own positions; those per-token values, not the logits, are
-gathered into the row, so the result equals one process's.
+gathered into the row, so the result equals one process's. Under a pipeline the row goes through
+the stages in order, forward only, and the last stage's per-token values are broadcast to every
+rank of the pipeline.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_lc.ops.documents import DocumentBounds, upload
-from moe_lc.parallel.context import ContextShard, shard_model_inputs, shard_row, unshard_row
+from moe_lc.parallel.context import ContextShard, shard_documents, shard_row, unshard_row
 
 IGNORE_INDEX = -100
 FIRST_BUCKET = 64
@@ -106,11 +108,13 @@ def evaluate_stage(
     tokenizer: str = "byte",
     seed: int = 0,
     context: Optional[Callable[[int], ContextShard]] = None,
+    pipeline: Optional[Any] = None,
 ) -> dict[str, Any]:
     """Loss by position on `sequences` held-out sequences and passkey retrieval; restores train mode.
 
-    ``context``: under cp > 1, this rank's ContextShard for a row of a given length (every cp rank
-    calls this together)."""
+    ``context``: under cp > 1, this rank's ContextShard for a row of a given length; ``pipeline``:
+    under pp > 1, the rank's ``moe_lc.parallel.pipeline_runtime.Pipeline`` (every rank of the
+    model calls this together)."""
     from moe_lc.data import answer_batch, collate, synthetic_documents
 
     was_training = model.training
@@ -120,7 +124,7 @@ def evaluate_stage(
         parts, total, count = [], 0.0, 0
         for i in range(sequences):
             batch = collate([eval_dataset[i]])
-            losses, = _per_token(model, batch, device, autocast, context, token_losses)
+            losses, = _per_token(model, batch, device, autocast, context, pipeline, token_losses)
             positions = positions_in_documents(batch.cu_seqlens, batch.input_ids.shape[1])
             parts.append(bucket_losses(losses, batch.labels, positions, seq_len))
             total += float(losses.double().sum())
@@ -132,7 +136,7 @@ def evaluate_stage(
         if passkey_documents > 0:
             docs = synthetic_documents("passkey", passkey_documents, seq_len, seed=seed, tokenizer=tokenizer)
             batch = answer_batch(docs)
-            losses, hits = _per_token(model, batch, device, autocast, context, token_losses, answer_hits)
+            losses, hits = _per_token(model, batch, device, autocast, context, pipeline, token_losses, answer_hits)
             answers = batch.labels.reshape(-1) != IGNORE_INDEX
             if not bool(answers.any()):
                 raise ValueError("the passkey batch has no answer labels")
@@ -144,19 +148,34 @@ def evaluate_stage(
 
 
 def _per_token(model: torch.nn.Module, batch: Any, device: torch.device, autocast: Callable,
-               context: Optional[Callable[[int], ContextShard]], *measures: Callable) -> list[torch.Tensor]:
+               context: Optional[Callable[[int], ContextShard]], pipeline: Optional[Any],
+               *measures: Callable) -> list[torch.Tensor]:
     """Each of ``measures(logits, labels)`` for every position of the batch's row, [N]: one forward of
-    the row, or of this rank's shard of it under cp with the per-position values gathered."""
+    the row (through the pipeline's stages with pp > 1), or of this rank's shard of it under cp with
+    the per-position values gathered."""
     input_ids, docs = _on_device(batch, device)
-    if context is None:
+    labels = batch.labels
+    shard = context(input_ids.shape[-1]) if context is not None else None
+    if shard is not None:
+        input_ids, docs, labels = shard_row(input_ids, shard), shard_documents(docs, shard), shard_row(labels, shard)
+    if pipeline is not None:
+        from moe_lc.parallel.loss_weights import TermWeights
+        from moe_lc.parallel.pipeline_stage import StageBatch
+
+        unused = TermWeights.whole(0, torch.ones((), dtype=torch.float64, device=device))
+        stage_batch = StageBatch(batch.input_ids.shape[-1], input_ids, upload(labels, device), docs, unused,
+                                 measures=measures)
+        with autocast():  # what sublayer outputs compute in, as in training
+            on = torch.is_autocast_enabled(device.type)
+            dtype = torch.get_autocast_dtype(device.type) if on else pipeline.compute_dtype
+        values = pipeline.evaluate(stage_batch, autocast, dtype, [labels.numel()] * len(measures))
+    else:
         with autocast():
             logits = model(input_ids, docs=docs).logits
-        return [measure(logits, batch.labels) for measure in measures]
-    shard = context(input_ids.shape[-1])
-    with autocast():
-        logits = model(**shard_model_inputs(input_ids, None, docs, shard)).logits
-    labels = shard_row(batch.labels, shard)
-    return [unshard_row(measure(logits, labels).reshape(1, -1), shard).reshape(-1) for measure in measures]
+        values = [measure(logits, labels) for measure in measures]
+    if shard is None:
+        return values
+    return [unshard_row(v.reshape(1, -1), shard).reshape(-1) for v in values]
 
 
 def _on_device(batch: Any, device: torch.device) -> tuple[torch.Tensor, DocumentBounds]:

@@ -446,9 +446,6 @@ class Trainer:
 
     def _evaluate(self, state: ModelState, plan: StagePlan, data: StageData, position: RunPosition) -> None:
         cfg = self.cfg
-        if state.layout.pp > 1:
-            self.log.message(f"eval skipped for stage {plan.name}: not supported with pp > 1 yet")
-            return
         context = (lambda row: ContextShard.from_mesh(state.mesh, row)) if state.layout.cp > 1 else None
         t0 = time.perf_counter()
         autocast = self.runtime.autocast if state.autocast_forward else contextlib.nullcontext
@@ -456,7 +453,7 @@ class Trainer:
             result = evaluate_stage(
                 state.model, eval_dataset(data, cfg.seed + cfg.eval.seed_offset), plan.seq_len, cfg.eval.sequences,
                 cfg.eval.passkey_documents, self.runtime.device, autocast, tokenizer=str(cfg.data.tokenizer),
-                seed=cfg.seed + cfg.eval.seed_offset, context=context,
+                seed=cfg.seed + cfg.eval.seed_offset, context=context, pipeline=state.pipeline,
             )
         result.update({"step": position.step, "stage": plan.name, "eval_time_s": time.perf_counter() - t0})
         self.log.eval(result)
