@@ -74,7 +74,7 @@ COMMANDS: dict[str, object] = {
     "bash launch/train_single_node.sh recipe=proxy-curriculum": Run(PROXY + " run_dir=runs/proxy-curriculum",
                                                                      env="MAX_RESTARTS=0"),
     "sbatch --nodes 4 launch/train.sbatch recipe=proxy-curriculum run_dir=/shared/runs/proxy":
-        NotRun("needs SLURM (test_the_sbatch_script_parses checks its syntax)"),
+        NotRun("needs SLURM (test_the_sbatch_script_and_the_gpu_checks_parse checks its syntax)"),
     "bash .ci/run": NotRun("installs packages, then runs this suite"),
     # data/README.md
     "moe-lc prepare-data docs/*.txt more.jsonl.gz some_dir/ --output-prefix /data/mycorpus/train "
@@ -126,6 +126,7 @@ COMMANDS: dict[str, object] = {
         "moe-lc bench proxy-8k model=k3-small --steps 20 --profile",
         "moe-lc bench proxy-8k model=k3-small precision=fp8 --steps 20",
         "python benchmarks/bench_memory.py --recipe proxy-8k --seq-lens 8192,65536,262144 --policies none,selective,full",
+        "OUT=results/gpu STEP_TIMEOUT=300 bash benchmarks/gpu_checks.sh",
     )},
     # launch/ comments
     "bash launch/train_single_node.sh recipe=proxy-8k": Run(PROXY + " run_dir=runs/proxy-8k", env="MAX_RESTARTS=0"),
@@ -221,8 +222,9 @@ def test_commands_that_are_not_run_here_say_why_in_the_docs():
             assert how.needs in found[command], (command, how.needs)
 
 
-def test_the_sbatch_script_parses():
-    subprocess.run(["bash", "-n", str(REPO / "launch" / "train.sbatch")], check=True)
+def test_the_sbatch_script_and_the_gpu_checks_parse():
+    for script in (REPO / "launch" / "train.sbatch", REPO / "benchmarks" / "gpu_checks.sh"):
+        subprocess.run(["bash", "-n", str(script)], check=True)
 
 
 # ----------------------------------------------------------------------------- running them

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU-only checks and the whole-step measurements (docs/performance.md §12) in one go, each
+# step with its own time limit, so that one machine session yields every number: the GPU tests
+# (fast paths against the plain path), `moe-lc bench` of the proxy and of k3-small in bf16 and
+# fp8, and the activation memory per policy. Logs, JSON and a summary of exit codes go to $OUT.
+#
+#   OUT=results/gpu STEP_TIMEOUT=300 bash benchmarks/gpu_checks.sh
+#
+# Needs a CUDA GPU and the project installed (torchao for the fp8 step).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results/gpu}
+STEP_TIMEOUT=${STEP_TIMEOUT:-300}
+mkdir -p "$OUT"
+
+step() {
+    local name=$1
+    shift
+    echo "== $name ($(date +%T))"
+    timeout "$STEP_TIMEOUT" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc" | tee -a "$OUT/summary.txt"
+    tail -n 25 "$OUT/$name.log"
+}
+
+step gpu_tests python -m pytest -q -rs --runxfail tests/test_train_step.py tests/test_attention_op.py \
+    tests/test_grouped_experts.py tests/test_situ_glu.py tests/test_kernels_kda.py tests/test_float8.py
+step bench_proxy_8k moe-lc bench proxy-8k --steps 20 --profile --json "$OUT/bench_proxy_8k.json"
+step bench_k3_small moe-lc bench proxy-8k model=k3-small --steps 20 --profile --json "$OUT/bench_k3_small.json"
+step bench_k3_small_fp8 moe-lc bench proxy-8k model=k3-small precision=fp8 --steps 20 --profile \
+    --json "$OUT/bench_k3_small_fp8.json"
+step memory python benchmarks/bench_memory.py --recipe proxy-8k --seq-lens 8192,65536,262144 \
+    --policies none,selective,full --out "$OUT/memory.json"
