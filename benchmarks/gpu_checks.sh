@@ -6,7 +6,8 @@
 #
 #   OUT=results/gpu STEP_TIMEOUT=300 bash benchmarks/gpu_checks.sh
 #
-# Needs a CUDA GPU and the project installed (torchao for the fp8 step).
+# Needs a CUDA GPU and the project importable (installed, or on PYTHONPATH with moe_lc_kernels and
+# moe_lc_recipes); torchao for the fp8 step. `python -m moe_lc.cli` is `moe-lc`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
@@ -25,9 +26,9 @@ step() {
 
 step gpu_tests python -m pytest -q -rs --runxfail tests/test_train_step.py tests/test_attention_op.py \
     tests/test_grouped_experts.py tests/test_situ_glu.py tests/test_kernels_kda.py tests/test_float8.py
-step bench_proxy_8k moe-lc bench proxy-8k --steps 20 --profile --json "$OUT/bench_proxy_8k.json"
-step bench_k3_small moe-lc bench proxy-8k model=k3-small --steps 20 --profile --json "$OUT/bench_k3_small.json"
-step bench_k3_small_fp8 moe-lc bench proxy-8k model=k3-small precision=fp8 --steps 20 --profile \
+step bench_proxy_8k python -m moe_lc.cli bench proxy-8k --steps 20 --profile --json "$OUT/bench_proxy_8k.json"
+step bench_k3_small python -m moe_lc.cli bench proxy-8k model=k3-small --steps 20 --profile --json "$OUT/bench_k3_small.json"
+step bench_k3_small_fp8 python -m moe_lc.cli bench proxy-8k model=k3-small precision=fp8 --steps 20 --profile \
     --json "$OUT/bench_k3_small_fp8.json"
 step memory python benchmarks/bench_memory.py --recipe proxy-8k --seq-lens 8192,65536,262144 \
     --policies none,selective,full --out "$OUT/memory.json"
