@@ -188,17 +188,19 @@ def _chunk_documents(bounds: tuple[int, ...], start: int, end: int) -> ChunkDocu
     return ChunkDocuments(first, last, starts_document=bounds[first] == start, ends_document=bounds[last + 1] == end)
 
 
-def shard_model_inputs(input_ids: Tensor, labels: Optional[Tensor], docs: DocumentBounds,
-                       context: ContextShard) -> dict:
+def shard_model_inputs(input_ids: Optional[Tensor], labels: Optional[Tensor], docs: DocumentBounds,
+                       context: ContextShard, mtp_row: Optional[Tensor] = None) -> dict:
     """The model's keyword arguments for this rank's shard of one packed row ([1, T] ``input_ids``
     and ``labels``, the row's ``docs``): its tokens and labels, the MTP targets cut from the whole
-    row's (:func:`moe_lc.model.transformer.mtp_labels`: the label after a chunk's last token lies in
-    the next chunk), and the documents with this rank's view. Host-side cuts of host or device
-    tensors; no communication. ``model(**shard_model_inputs(...), return_logits=False)``."""
-    inputs = dict(input_ids=shard_row(input_ids, context), docs=shard_documents(docs, context))
+    row's (:func:`moe_lc.model.transformer.mtp_labels`, or ``mtp_row`` when the caller made them:
+    the label after a chunk's last token lies in the next chunk), and the documents with this rank's
+    view. Host-side cuts of host or device tensors; no communication. ``model(**shard_model_inputs(
+    ...), return_logits=False)``. A None ``input_ids`` stays None (a pipeline's later stages)."""
+    inputs = dict(input_ids=shard_row(input_ids, context) if input_ids is not None else None,
+                  docs=shard_documents(docs, context))
     if labels is not None:
         inputs["labels"] = shard_row(labels, context)
-        inputs["mtp_targets"] = shard_row(mtp_labels(labels, docs), context)
+        inputs["mtp_targets"] = shard_row(mtp_row if mtp_row is not None else mtp_labels(labels, docs), context)
     return inputs
 
 

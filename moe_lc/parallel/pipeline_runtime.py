@@ -122,8 +122,8 @@ class Pipeline:
 
     # ------------------------------------------------------------------ one step
 
-    def run(self, batches: Sequence[StageBatch], autocast: Callable[[], contextlib.AbstractContextManager],
-            activation_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def run(self, batches: Sequence[StageBatch],
+            autocast: Callable[[], contextlib.AbstractContextManager]) -> tuple[Tensor, Tensor]:
         """Forward and backward of every micro-batch through this rank's stages, in schedule order.
 
         Returns this rank's sums of the weighted LM terms (its last stage; else 0) and of the other
@@ -133,7 +133,7 @@ class Pipeline:
         if len(batches) > MAX_MICRO_BATCHES:
             raise ValueError(f"a pipeline step takes at most {MAX_MICRO_BATCHES} micro-batches, got {len(batches)}")
         device = batches[0].weights.lm.device
-        step = _Step(batches, activation_dtype, lm_sum=torch.zeros((), dtype=torch.float64, device=device),
+        step = _Step(batches, self._activation_dtype(autocast, device), lm_sum=torch.zeros((), dtype=torch.float64, device=device),
                      extra_sum=torch.zeros((), dtype=torch.float64, device=device))
         actions = rank_actions(self.layout.pp_schedule, self.layout.pp, self.layout.stages_per_rank, len(batches),
                                self.rank)
@@ -161,13 +161,13 @@ class Pipeline:
         return step.lm_sum, step.extra_sum
 
     @torch.no_grad()
-    def evaluate(self, batch: StageBatch, autocast: Callable[[], contextlib.AbstractContextManager],
-                 activation_dtype: torch.dtype, lengths: Sequence[int]) -> list[Tensor]:
+    def evaluate(self, batch: StageBatch, autocast: Callable[[], contextlib.AbstractContextManager]) -> list[Tensor]:
         """A forward of one batch through every stage in order, for evaluation: the last stage's
-        ``batch.measures`` (per position), shared with every rank of the pipeline (``lengths``: the
-        number of positions each measure returns)."""
+        ``batch.measures``, one value per position of ``batch.labels`` (which every rank has), shared
+        with every rank of the pipeline."""
         zero = torch.zeros((), dtype=torch.float64, device=batch.weights.lm.device)
-        step = _Step([batch], activation_dtype, lm_sum=zero.clone(), extra_sum=zero.clone())
+        step = _Step([batch], self._activation_dtype(autocast, zero.device), lm_sum=zero.clone(),
+                     extra_sum=zero.clone())
         for k in range(len(self.plans)):
             if k not in self.stages:
                 continue
@@ -180,13 +180,21 @@ class Pipeline:
                 self._send(step, Action(SEND_F, k, 0))
         for work in step.sends:
             work.wait()
-        step.handed.clear()
         out = list(step.measured) if self.has_last else [
-            torch.empty(n, dtype=torch.float32, device=zero.device) for n in lengths]
+            torch.empty(batch.labels.numel(), dtype=torch.float32, device=zero.device) for _ in batch.measures]
         source = dist.get_global_rank(self.group, self.plans[self.last].rank)
         for t in out:
             dist.broadcast(t, src=source, group=self.group)
         return out
+
+    def _activation_dtype(self, autocast: Callable[[], contextlib.AbstractContextManager],
+                          device: torch.device) -> torch.dtype:
+        """What sublayer outputs compute in: autocast's dtype where ``autocast`` enables it, else the
+        parameters' (the stream's wire dtypes follow from it)."""
+        with autocast():
+            if torch.is_autocast_enabled(device.type):
+                return torch.get_autocast_dtype(device.type)
+        return self.compute_dtype
 
     def describe(self) -> str:
         """One line for the run's log: the schedule and every stage's layers and rank."""

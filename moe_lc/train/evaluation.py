@@ -165,10 +165,7 @@ def _per_token(model: torch.nn.Module, batch: Any, device: torch.device, autocas
         unused = TermWeights.whole(0, torch.ones((), dtype=torch.float64, device=device))
         stage_batch = StageBatch(batch.input_ids.shape[-1], input_ids, upload(labels, device), docs, unused,
                                  measures=measures)
-        with autocast():  # what sublayer outputs compute in, as in training
-            on = torch.is_autocast_enabled(device.type)
-            dtype = torch.get_autocast_dtype(device.type) if on else pipeline.compute_dtype
-        values = pipeline.evaluate(stage_batch, autocast, dtype, [labels.numel()] * len(measures))
+        values = pipeline.evaluate(stage_batch, autocast)
     else:
         with autocast():
             logits = model(input_ids, docs=docs).logits

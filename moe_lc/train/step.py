@@ -49,7 +49,7 @@ from moe_lc.ops.documents import DocumentBounds, upload
 from moe_lc.optim import OptimConfig, apply_lr
 from moe_lc.model.transformer import IGNORE_INDEX, mtp_labels
 from moe_lc.parallel import data_parallel_group
-from moe_lc.parallel.context import ContextShard, shard_documents, shard_model_inputs, shard_row
+from moe_lc.parallel.context import ContextShard, shard_model_inputs, shard_row
 from moe_lc.parallel.loss_weights import TermWeights, weighted_terms
 from moe_lc.parallel.pipeline_stage import StageBatch
 from moe_lc.train.bad_steps import step_if_finite, update_biases_if_finite
@@ -258,11 +258,9 @@ def _micro_batches(state: ModelState, micro_batches: Sequence, docs: list[Docume
         with region("data"):
             input_ids, targets = upload(batch.input_ids, device), upload(batch.labels, device)
         if context is not None:
-            inputs = shard_model_inputs(input_ids, targets, bounds, context)
+            inputs, weights = _row_shard(input_ids, targets, bounds, context, n, batch.num_label_tokens, denom)
             with autocast():
                 out = model(**inputs, return_logits=False)
-            weights = TermWeights.shard(n, batch.num_label_tokens, inputs["mtp_targets"], mtp_labels(targets, bounds),
-                                        denom, IGNORE_INDEX)
             lm, extra = weighted_terms(out.lm_loss, out.mtp_loss, out.aux_loss, model.mtp_weight, weights)
             (lm + extra).backward()
             lm_sum += lm.detach().double() * denom
@@ -282,7 +280,7 @@ def _micro_batches(state: ModelState, micro_batches: Sequence, docs: list[Docume
 
 def _context_shard(state: ModelState, micro_batches: Sequence) -> Optional[ContextShard]:
     """This rank's place in the cp group for the step's rows (None without context parallelism)."""
-    if state.layout is None or state.layout.cp == 1 or not micro_batches:
+    if state.layout.cp == 1 or not micro_batches:
         return None
     return ContextShard.from_mesh(state.mesh, micro_batches[0].input_ids.shape[-1])
 
@@ -292,6 +290,18 @@ def _label_tokens_here(batch, context: Optional[ContextShard]) -> int:
     if context is None:
         return batch.num_label_tokens
     return int((shard_row(batch.labels, context) != IGNORE_INDEX).sum())
+
+
+def _row_shard(input_ids: Optional[torch.Tensor], labels: Optional[torch.Tensor], docs: DocumentBounds,
+               context: ContextShard, labels_here: int, labels_row: int,
+               denom: torch.Tensor) -> tuple[dict, TermWeights]:
+    """This rank's shard of one row as the model's keyword arguments (``shard_model_inputs``; what a
+    pipeline's rank lacks stays absent) and its terms' weights in the step's loss, from the row's
+    MTP targets made once."""
+    mtp_row = mtp_labels(labels, docs) if labels is not None else None
+    inputs = shard_model_inputs(input_ids, labels, docs, context, mtp_row)
+    weights = TermWeights.shard(labels_here, labels_row, inputs.get("mtp_targets"), mtp_row, denom, IGNORE_INDEX)
+    return inputs, weights
 
 
 def _pipeline_micro_batches(state: ModelState, micro_batches: Sequence, docs: list[DocumentBounds],
@@ -306,19 +316,13 @@ def _pipeline_micro_batches(state: ModelState, micro_batches: Sequence, docs: li
         with region("data"):
             input_ids = upload(batch.input_ids, device) if pipeline.has_first else None
             labels = upload(batch.labels, device) if pipeline.has_last else None
-        mtp_targets = None
         if context is None:
-            weights = TermWeights.whole(n, denom)
+            inputs, weights = dict(input_ids=input_ids, labels=labels, docs=bounds), TermWeights.whole(n, denom)
         else:
-            mtp_row = mtp_labels(labels, bounds) if labels is not None else None
-            mtp_targets = shard_row(mtp_row, context) if mtp_row is not None else None
-            weights = TermWeights.shard(n, batch.num_label_tokens, mtp_targets, mtp_row, denom, IGNORE_INDEX)
-            input_ids = shard_row(input_ids, context) if input_ids is not None else None
-            labels = shard_row(labels, context) if labels is not None else None
-            bounds = shard_documents(bounds, context)
-        batches.append(StageBatch(batch.input_ids.shape[-1], input_ids, labels, bounds, weights, mtp_targets))
-    activations = torch.bfloat16 if state.autocast_forward and runtime.compute_dtype == torch.bfloat16 else None
-    lm_terms, extra_terms = pipeline.run(batches, autocast, activations or pipeline.compute_dtype)
+            inputs, weights = _row_shard(input_ids, labels, bounds, context, n, batch.num_label_tokens, denom)
+        batches.append(StageBatch(batch.input_ids.shape[-1], inputs["input_ids"], inputs.get("labels"), inputs["docs"],
+                                  weights, inputs.get("mtp_targets")))
+    lm_terms, extra_terms = pipeline.run(batches, autocast)
     return lm_terms * denom, extra_terms * denom  # as sum n_i lm_i, like the other paths
 
 
