@@ -283,7 +283,7 @@ def standin_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale
         vs = value[cu_seq_k[i]:cu_seq_k[i + 1]]
         n_q, n_k = qs.shape[0], ks.shape[0]
         assert n_q <= max_q and n_k <= max_k
-        allowed = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)
+        allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=qs.device).tril(n_k - n_q)
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
         outs.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vs))
     return torch.cat(outs)

@@ -92,7 +92,21 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
-@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def _cpu_runs_rowwise_scaled_mm() -> bool:
+    """torch._scaled_mm's CPU kernel takes row-wise scales (torch 2.13 does, torch 2.11 asserts)."""
+    a = torch.ones(16, 16).to(E4M3)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("scaling", [
+    "tensorwise",
+    pytest.param("rowwise", marks=pytest.mark.skipif(not _cpu_runs_rowwise_scaled_mm(),
+                                                      reason="this torch's CPU _scaled_mm takes tensor-wise scales only")),
+])
 def test_a_converted_linear_computes_the_float8_formula(scaling):
     torch.manual_seed(0)
     model = nn.ModuleDict({"w_in": nn.Linear(64, 32, bias=False)})

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 
 from moe_lc.config import MoEConfig  # noqa: E402
 from moe_lc.model.moe import LatentMoE, combine_by_token, sort_by_expert  # noqa: E402
-from moe_lc.ops.grouped_experts import grouped_glu, resolve_backend  # noqa: E402
+from moe_lc.ops.grouped_experts import autocast_operands, grouped_glu, resolve_backend  # noqa: E402
 from moe_lc_kernels import triton_available  # noqa: E402
 
 F64 = torch.float64
@@ -46,11 +46,11 @@ needs_grouped_mm = pytest.mark.skipif(not _grouped_mm_runs_here(), reason="torch
 needs_triton = pytest.mark.skipif(not triton_available("cpu"), reason="Triton's interpreter is not available")
 
 
-def weights(experts: int = len(COUNTS), seed: int = 0) -> tuple[torch.Tensor, ...]:
+def weights(experts: int = len(COUNTS), seed: int = 0, width: int = WIDTH, hidden: int = HIDDEN) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
-    w_gate = torch.randn(experts, HIDDEN, WIDTH, generator=gen) * WIDTH**-0.5
-    w_in = torch.randn(experts, HIDDEN, WIDTH, generator=gen) * WIDTH**-0.5 * 4.0  # c reaches b2's bend
-    w_out = torch.randn(experts, WIDTH, HIDDEN, generator=gen) * HIDDEN**-0.5
+    w_gate = torch.randn(experts, hidden, width, generator=gen) * width**-0.5
+    w_in = torch.randn(experts, hidden, width, generator=gen) * width**-0.5 * 4.0  # c reaches b2's bend
+    w_out = torch.randn(experts, width, hidden, generator=gen) * hidden**-0.5
     return w_gate, w_in, w_out
 
 
@@ -212,6 +212,37 @@ def test_one_process_layer_makes_no_host_reads(monkeypatch):
         moe(x)
 
 
+@needs_grouped_mm
+def test_under_autocast_fp32_weights_take_the_grouped_gemm_in_the_autocast_dtype():
+    """One-process training keeps fp32 weights and runs the matmuls in bf16 under autocast. The grouped
+    GEMM is not on autocast's lists, so grouped_glu casts its operands as autocast casts a matmul's:
+    the grouped path then equals the reference loop under the same autocast (whose matmuls autocast
+    casts), and the fp32 weights get fp32 gradients. Without the cast the operands' dtypes differ and
+    the grouped GEMM refuses them (on a GPU, "auto" fell back to the loop)."""
+    width, hidden = 2 * WIDTH, 2 * HIDDEN  # rows of 32 and 48 bytes in bf16
+    x = torch.randn(sum(COUNTS), width, generator=torch.Generator().manual_seed(1))
+    w = weights(width=width, hidden=hidden)
+    dy = torch.randn(sum(COUNTS), width, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = autocast_operands(x.bfloat16(), *w)
+        assert [t.dtype for t in cast] == [torch.bfloat16] * 4
+        assert resolve_backend(x.bfloat16(), *w, backend="auto") == "torch"  # mixed dtypes: no grouped GEMM
+        assert resolve_backend(*cast, backend="grouped") == "grouped"
+
+        def experts(backend):
+            return lambda x_, *w_: grouped_glu(x_.bfloat16(), COUNTS, *w_, "situ", B1, B2, backend=backend,
+                                               activation_backend="torch")
+
+        got = run(experts("grouped"), x, w, dy)
+        want = run(experts("torch"), x, w, dy)
+    assert autocast_operands(x, *w)[1] is w[0]  # autocast off: untouched
+    assert [g.dtype for g in got[2:]] == [torch.float32] * 3
+    for name, g, r in zip(["y", "dx", "dw_gate", "dw_in", "dw_out"], got, want):
+        assert g.dtype == r.dtype, name
+        # the same bf16 products; only the summation order inside the GEMMs may differ
+        assert torch.allclose(g.float(), r.float(), rtol=0, atol=8 * 2**-8 * r.float().abs().max().item()), name
+
+
 # ----------------------------------------------------------------------------- on a GPU
 
 
@@ -247,12 +278,17 @@ def test_cuda_routed_experts_match_float64():
 
 
 @cuda_only
-def test_cuda_layer_never_waits_for_the_device():
+@pytest.mark.parametrize("weights_dtype", ["bf16", "fp32 under autocast"])
+def test_cuda_layer_never_waits_for_the_device(weights_dtype):
     """Forward and backward of the whole layer under sync-debug "error" (eval mode: the balancer's
-    training statistics use torch.bincount, which reads its maximum back to the host)."""
+    training statistics use torch.bincount, which reads its maximum back to the host), with bf16
+    weights and, as one-process training runs it, with fp32 weights under bf16 autocast: the reference
+    loop reads the counts back, so a fallback to it fails here."""
     torch.manual_seed(0)
     cfg = MoEConfig(num_routed=16, top_k=4, num_shared=1, latent_dim=64, expert_hidden=128)
-    moe = LatentMoE(128, cfg).cuda().bfloat16().eval()
+    moe = LatentMoE(128, cfg).cuda().eval()
+    if weights_dtype == "bf16":
+        moe = moe.bfloat16()
     for name, p in moe.named_parameters():
         if "norm" not in name:
             torch.nn.init.normal_(p, 0.0, 0.05)
@@ -260,7 +296,8 @@ def test_cuda_layer_never_waits_for_the_device():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        y = moe(x)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=weights_dtype != "bf16"):
+            y = moe(x)
         y.backward(torch.ones_like(y))
     finally:
         torch.cuda.set_sync_debug_mode("default")

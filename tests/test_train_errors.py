@@ -142,6 +142,7 @@ def test_out_of_memory_in_a_step_names_the_stage_the_peak_and_the_fixes(capsys, 
     err = _fails(capsys, *ONE_STEP, f"run_dir={tmp_path}")
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     for needle in ("stage ctx256 ran out of memory", "at step 2", "seq_len 256", "micro_batch 2", "GiB",
-                   "curriculum.stages.ctx256.activation_checkpointing.mode=full",
-                   "curriculum.stages.ctx256.micro_batch=1", "+curriculum.stages.ctx256.layout.cp=2"):
+                   "++curriculum.stages.ctx256.activation_checkpointing.mode=full",
+                   "curriculum.stages.ctx256.micro_batch=1", "++curriculum.stages.ctx256.layout.cp=2",
+                   "++curriculum.stages.ctx256.layout.dp_shard=2"):
         assert needle in err, (needle, err)

@@ -90,8 +90,6 @@ def test_the_step_reads_back_once_on_cpu(monkeypatch, fused):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.xfail(reason="LatentMoE's bincount().tolist() of the tokens per expert waits for the GPU in every "
-                          "MoE layer until the grouped-experts change (device-side counts) lands", strict=False)
 def test_the_step_waits_for_the_gpu_only_at_its_end():
     runtime = _runtime(torch.device("cuda", torch.cuda.current_device()))
     cfg, state = _state(runtime)

@@ -32,7 +32,7 @@ from moe_lc.ops.backend_choice import choose_backend
 from moe_lc.ops.situ_glu import glu_activation
 
 __all__ = ["grouped_glu", "grouped_glu_reference", "grouped_glu_mm", "expert_offsets", "resolve_backend",
-           "grouped_unsupported_reason"]
+           "grouped_unsupported_reason", "autocast_operands"]
 
 Counts = Union[Tensor, Sequence[int]]
 Activation = Callable[[Tensor, Tensor], Tensor]
@@ -80,6 +80,21 @@ def _on_no_rows(x: Tensor, w_gate: Tensor, w_in: Tensor, w_out: Tensor, act: Act
     FSDP's per-module gradient reduction then happens in the same order on every rank.
     """
     return act(x @ w_gate[0].t(), x @ w_in[0].t()) @ w_out[0].t()
+
+
+def autocast_operands(x: Tensor, *weights: Tensor) -> tuple[Tensor, ...]:
+    """x and the weights in autocast's dtype where autocast is on for x's device, as it casts a matmul's
+    operands; unchanged otherwise.
+
+    ``torch._grouped_mm`` is not on autocast's lists: without this, fp32 master weights under bf16
+    autocast (one-process training) meet bf16 activations and the grouped GEMM cannot take them.
+    The casts are differentiable, so the fp32 weights still get their gradients.
+    """
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return (x, *weights)
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in (x, *weights))
 
 
 def grouped_unsupported_reason(x: Tensor, w_gate: Tensor, w_in: Tensor, w_out: Tensor) -> Optional[str]:
@@ -144,7 +159,8 @@ def grouped_glu(
     act = functools.partial(glu_activation, kind=activation, beta1=beta1, beta2=beta2, backend=activation_backend)
     if x_sorted.shape[0] == 0:
         return _on_no_rows(x_sorted, w_gate, w_in, w_out, act)
-    if resolve_backend(x_sorted, w_gate, w_in, w_out, backend) == "grouped":
-        return grouped_glu_mm(x_sorted, expert_offsets(counts, x_sorted.device), w_gate, w_in, w_out, act)
+    operands = autocast_operands(x_sorted, w_gate, w_in, w_out)
+    if resolve_backend(*operands, backend) == "grouped":
+        return grouped_glu_mm(operands[0], expert_offsets(counts, x_sorted.device), *operands[1:], act)
     host_counts = counts.tolist() if isinstance(counts, Tensor) else list(counts)
     return grouped_glu_reference(x_sorted, host_counts, w_gate, w_in, w_out, act)

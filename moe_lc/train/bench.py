@@ -133,17 +133,30 @@ def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled
     count = warmup + steps + (PROFILER_WARMUP_STEPS + PROFILED_STEPS if profiled else 0)
     taken_steps = run_steps(state, data, range(plan.start_step, plan.start_step + count), 0, total_steps(plans),
                             cfg.optim, runtime)
+    show = _progress(runtime.is_main)
     with contextlib.closing(taken_steps):
-        for _ in range(warmup):
-            next(taken_steps)
+        for k in range(warmup):
+            show("warm-up", k, warmup, next(taken_steps))
         t0 = time.perf_counter()
-        timed = [next(taken_steps) for _ in range(steps)]
+        timed = []
+        for k in range(steps):
+            timed.append(next(taken_steps))
+            show("timed", k, steps, timed[-1])
         wall = time.perf_counter() - t0
-        profile_result = _profile(taken_steps, state.model, device) if profiled else None
+        profile_result = _profile(taken_steps, state.model, device, show) if profiled else None
     return _result(cfg, plan, runtime, timed, wall, warmup, matmul_peak, profile_result)
 
 
-def _profile(taken_steps, model: torch.nn.Module, device: torch.device) -> Profiled:
+def _progress(on: bool):
+    """Prints each step as it ends (stderr, rank 0): a long bench shows where it is."""
+    def show(phase: str, k: int, n: int, taken: TakenStep) -> None:
+        if on:
+            print(f"bench: {phase} step {k + 1}/{n}: {taken.time_s:.3f} s, loss {taken.result.loss:.4f}",
+                  file=sys.stderr, flush=True)
+    return show
+
+
+def _profile(taken_steps, model: torch.nn.Module, device: torch.device, show) -> Profiled:
     on_gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     plan = schedule(wait=0, warmup=PROFILER_WARMUP_STEPS, active=PROFILED_STEPS, repeat=1)
@@ -151,6 +164,7 @@ def _profile(taken_steps, model: torch.nn.Module, device: torch.device) -> Profi
     with profile(activities=activities, schedule=plan) as prof, component_ranges(model):
         for k in range(PROFILER_WARMUP_STEPS + PROFILED_STEPS):
             taken: TakenStep = next(taken_steps)
+            show("profiled", k, PROFILER_WARMUP_STEPS + PROFILED_STEPS, taken)
             if k >= PROFILER_WARMUP_STEPS:
                 times.append(taken.time_s)
             prof.step()

@@ -50,6 +50,7 @@ from moe_lc.optim import OptimConfig, apply_lr
 from moe_lc.model.transformer import IGNORE_INDEX, mtp_labels
 from moe_lc.parallel import data_parallel_group
 from moe_lc.parallel.context import ContextShard, shard_model_inputs, shard_row
+from moe_lc.parallel.activation_checkpointing import CheckpointMode
 from moe_lc.parallel.loss_weights import TermWeights, weighted_terms
 from moe_lc.parallel.pipeline_stage import StageBatch
 from moe_lc.train.bad_steps import step_if_finite, update_biases_if_finite
@@ -415,12 +416,18 @@ def out_of_memory_message(plan: StagePlan, step: int, device: torch.device) -> s
     total = device_memory_bytes(device)
     reached = f"peak {peak:.1f} GiB of {total / gib:.1f} GiB" if total else f"peak {peak:.1f} GiB"
     where = f"curriculum.stages.{plan.name}"
-    fixes = [f"recompute activations in backward with {where}.activation_checkpointing.mode=full"]
+    ckpt = plan.checkpointing
+    fixes = []
+    if ckpt.mode != CheckpointMode.full or ckpt.every != 1:
+        fixes.append(f"recompute activations in backward with ++{where}.activation_checkpointing.mode=full "
+                     f"(now {ckpt.mode.value}, every {ckpt.every})")
     if plan.micro_batch > 1:
         fixes.append(f"halve the micro-batch with {where}.micro_batch={plan.micro_batch // 2} (the same global "
                      "batch in more accumulation steps)")
-    fixes.append(f"split the sequence over more ranks with ++{where}.layout.cp={2 * plan.layout.cp} once context "
-                 "parallelism is available")
+    fixes.append(f"split each sequence over more GPUs with ++{where}.layout.cp={2 * plan.layout.cp} (context "
+                 "parallelism)")
+    fixes.append(f"shard the weights, gradients and optimizer state over more GPUs with ++{where}.layout.dp_shard="
+                 f"{2 * plan.layout.dp_shard} (FSDP)")
     return (
         f"stage {plan.name} ran out of memory on {device} at step {step + 1} (seq_len {plan.seq_len}, "
         f"micro_batch {plan.micro_batch} x {plan.grad_accum} accumulation, layout {plan.layout.describe()}; "
