@@ -24,11 +24,18 @@ step() {
     tail -n 25 "$OUT/$name.log"
 }
 
-step gpu_tests python -m pytest -q -rs --runxfail tests/test_train_step.py tests/test_attention_op.py \
-    tests/test_grouped_experts.py tests/test_situ_glu.py tests/test_kernels_kda.py tests/test_float8.py
-step bench_proxy_8k python -m moe_lc.cli bench proxy-8k --steps 20 --profile --json "$OUT/bench_proxy_8k.json"
-step bench_k3_small python -m moe_lc.cli bench proxy-8k model=k3-small --steps 20 --profile --json "$OUT/bench_k3_small.json"
-step bench_k3_small_fp8 python -m moe_lc.cli bench proxy-8k model=k3-small precision=fp8 --steps 20 --profile \
-    --json "$OUT/bench_k3_small_fp8.json"
+S=curriculum.stages.ctx8k
+step gpu_tests python -m pytest -q -rs -p no:cacheprovider tests/test_train_step.py tests/test_grouped_experts.py \
+    tests/test_attention_op.py tests/test_situ_glu.py tests/test_float8.py tests/test_short_conv.py tests/test_kernels_kda.py
+step bench_proxy_8k python -m moe_lc.cli bench proxy-8k $S.global_batch_tokens=131072 --steps 5 --warmup 3 --profile \
+    --json "$OUT/bench_proxy_8k.json"
+step bench_k3_small python -m moe_lc.cli bench proxy-8k model=k3-small $S.global_batch_tokens=65536 $S.micro_batch=1 \
+    --steps 3 --warmup 2 --profile --json "$OUT/bench_k3_small.json"
+step bench_k3_small_fp8 python -m moe_lc.cli bench proxy-8k model=k3-small precision=fp8 $S.global_batch_tokens=65536 \
+    $S.micro_batch=1 --steps 3 --warmup 2 --json "$OUT/bench_k3_small_fp8.json"
+step bench_proxy_256k python -m moe_lc.cli bench proxy-256k curriculum.stages.ctx256k.global_batch_tokens=262144 \
+    --steps 2 --warmup 1 --json "$OUT/bench_proxy_256k.json"
+step compare_paths python benchmarks/compare_paths.py --recipe proxy-8k --steps 20 $S.global_batch_tokens=16384 \
+    $S.micro_batch=1 --out "$OUT/compare_paths.json"
 step memory python benchmarks/bench_memory.py --recipe proxy-8k --seq-lens 8192,65536,262144 \
     --policies none,selective,full --out "$OUT/memory.json"

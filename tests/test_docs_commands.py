@@ -122,10 +122,16 @@ COMMANDS: dict[str, object] = {
     )},
     # docs/performance.md: the whole step
     **{c: NotRun("whole-step GPU measurements (a CPU step of these models takes minutes)", needs="GPU") for c in (
-        "moe-lc bench proxy-8k --steps 20 --profile",
-        "moe-lc bench proxy-8k model=k3-small --steps 20 --profile",
-        "moe-lc bench proxy-8k model=k3-small precision=fp8 --steps 20",
-        "python benchmarks/bench_memory.py --recipe proxy-8k --seq-lens 8192,65536,262144 --policies none,selective,full",
+        "moe-lc bench proxy-8k curriculum.stages.ctx8k.global_batch_tokens=131072 "
+        "curriculum.stages.ctx8k.micro_batch=4 --steps 3 --warmup 3",
+        "moe-lc bench proxy-8k model=k3-small curriculum.stages.ctx8k.global_batch_tokens=65536 "
+        "curriculum.stages.ctx8k.micro_batch=1 --steps 3 --warmup 2",
+        "moe-lc bench proxy-8k model=k3-small precision=fp8 curriculum.stages.ctx8k.global_batch_tokens=65536 "
+        "curriculum.stages.ctx8k.micro_batch=1 --steps 3 --warmup 2",
+        "moe-lc bench proxy-256k curriculum.stages.ctx256k.global_batch_tokens=262144 --steps 2 --warmup 1",
+        "python benchmarks/bench_memory.py --recipe proxy-8k --seq-lens 8192,65536 --policies none,selective,full",
+        "python benchmarks/compare_paths.py --recipe proxy-8k --steps 20 "
+        "curriculum.stages.ctx8k.global_batch_tokens=32768 curriculum.stages.ctx8k.micro_batch=1",
         "OUT=results/gpu STEP_TIMEOUT=300 bash benchmarks/gpu_checks.sh",
     )},
     # launch/ comments

@@ -5,7 +5,10 @@ The stage (the recipe's first stage that would run, or `--stage NAME`) is built 
 `moe-lc train` builds it: the same layout resolved for the world (one process, or every rank
 under torchrun), the same model setup, the same data and the same step loop (`run_steps`:
 batches prepared ahead, one host read per step). It runs W warm-up steps, then N timed steps,
-then, with `--profile`, one profiled step (after one profiler warm-up step). Nothing is written
+then, with `--profile`, one profiled step of one micro-batch per rank (after one profiler warm-up
+step of the same size: a whole step of many micro-batches has too many events for the profiler to
+process in reasonable time; the components' shares are per micro-batch, the optimizer's once per
+step as in a step of one micro-batch; a pipeline keeps all its micro-batches). Nothing is written
 into run_dir and no checkpoint is read or saved: an existing run is never touched.
 
 Numbers (printed by rank 0; `--json PATH` writes them all):
@@ -25,7 +28,7 @@ import contextlib
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
@@ -54,6 +57,7 @@ PROFILED_STEPS = 1
 @dataclass
 class Profiled:
     steps: int
+    micro_batches: int  # per rank in a profiled step
     step_time_s: float  # mean over the profiled steps (the profiler adds some overhead)
     components_ms: dict[str, float]  # per step: kernel time on a GPU, CPU time of every thread on a CPU
     device_idle_share: float  # share of the profiled window with no kernel or copy running (no op on a CPU)
@@ -130,7 +134,7 @@ def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled
     state = build_model_state(cfg.model, cfg.optim, plan.layout, runtime, cfg.seed, plan.checkpointing, plan.seq_len,
                               float8_policy(cfg))
     data = build_stage_data(plan, cfg.data, cfg.model.vocab_size, cfg.seed, sync=runtime.rank0_first)
-    count = warmup + steps + (PROFILER_WARMUP_STEPS + PROFILED_STEPS if profiled else 0)
+    count = warmup + steps
     taken_steps = run_steps(state, data, range(plan.start_step, plan.start_step + count), 0, total_steps(plans),
                             cfg.optim, runtime)
     show = _progress(runtime.is_main)
@@ -143,7 +147,15 @@ def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled
             timed.append(next(taken_steps))
             show("timed", k, steps, timed[-1])
         wall = time.perf_counter() - t0
-        profile_result = _profile(taken_steps, state.model, device, show) if profiled else None
+    profile_result = None
+    if profiled:
+        small = profiling_plan(plan)
+        small_data = build_stage_data(small, cfg.data, cfg.model.vocab_size, cfg.seed, sync=runtime.rank0_first)
+        first = plan.start_step + count
+        profiled_steps = run_steps(state, small_data, range(first, first + PROFILER_WARMUP_STEPS + PROFILED_STEPS),
+                                   0, total_steps(plans), cfg.optim, runtime)
+        with contextlib.closing(profiled_steps):
+            profile_result = _profile(profiled_steps, state.model, device, show, small.grad_accum)
     return _result(cfg, plan, runtime, timed, wall, warmup, matmul_peak, profile_result)
 
 
@@ -156,7 +168,15 @@ def _progress(on: bool):
     return show
 
 
-def _profile(taken_steps, model: torch.nn.Module, device: torch.device, show) -> Profiled:
+def profiling_plan(plan: StagePlan) -> StagePlan:
+    """The stage with one micro-batch per data-parallel rank per step (a pipeline keeps its micro-batches,
+    which its schedule needs)."""
+    if plan.layout.pp > 1:
+        return plan
+    return replace(plan, global_batch_tokens=plan.micro_batch * plan.seq_len * plan.layout.dp)
+
+
+def _profile(taken_steps, model: torch.nn.Module, device: torch.device, show, micro_batches: int) -> Profiled:
     on_gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     plan = schedule(wait=0, warmup=PROFILER_WARMUP_STEPS, active=PROFILED_STEPS, repeat=1)
@@ -170,7 +190,8 @@ def _profile(taken_steps, model: torch.nn.Module, device: torch.device, show) ->
             prof.step()
     events = prof.events()
     per_step = {name: ms / PROFILED_STEPS for name, ms in breakdown(events, device=on_gpu).items()}
-    return Profiled(PROFILED_STEPS, sum(times) / len(times), per_step, idle_share(events, device=on_gpu))
+    return Profiled(PROFILED_STEPS, micro_batches, sum(times) / len(times), per_step,
+                    idle_share(events, device=on_gpu))
 
 
 def _max_over_ranks(value: float, runtime: Runtime) -> float:
@@ -252,8 +273,8 @@ def format_bench(r: BenchResult) -> str:
     if r.profile is not None:
         p = r.profile
         idle = "device idle" if r.device_type == "cuda" else "no op running"
-        lines.append(f"  breakdown     {p.steps} profiled step of {p.step_time_s:.3f} s, {idle} "
-                     f"{pct(p.device_idle_share)} of it")
+        lines.append(f"  breakdown     {p.steps} profiled step of {p.micro_batches} micro-batch(es) per rank "
+                     f"({r.grad_accum} in a timed step), {p.step_time_s:.3f} s, {idle} {pct(p.device_idle_share)} of it")
         step_ms = 1e3 * p.step_time_s
         for name, ms in p.components_ms.items():
             lines.append(f"    {name:<16} {ms:>10.1f} ms  {100 * ms / step_ms:5.1f}%")
