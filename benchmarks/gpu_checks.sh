@@ -4,7 +4,7 @@
 # (fast paths against the plain path), `moe-lc bench` of the proxy and of k3-small in bf16 and
 # fp8, and the activation memory per policy. Logs, JSON and a summary of exit codes go to $OUT.
 #
-#   OUT=results/gpu STEP_TIMEOUT=300 bash benchmarks/gpu_checks.sh
+#   OUT=results/gpu STEP_TIMEOUT=300 bash benchmarks/gpu_checks.sh      # PACK=1: one .tgz of it all
 #
 # Needs a CUDA GPU and the project importable (installed, or on PYTHONPATH with moe_lc_kernels and
 # moe_lc_recipes); torchao for the fp8 step. `python -m moe_lc.cli` is `moe-lc`.
@@ -33,9 +33,19 @@ step bench_k3_small python -m moe_lc.cli bench proxy-8k model=k3-small $S.global
     --steps 3 --warmup 2 --profile --json "$OUT/bench_k3_small.json"
 step bench_k3_small_fp8 python -m moe_lc.cli bench proxy-8k model=k3-small precision=fp8 $S.global_batch_tokens=65536 \
     $S.micro_batch=1 --steps 3 --warmup 2 --json "$OUT/bench_k3_small_fp8.json"
+step bench_proxy_8k_compile python -m moe_lc.cli bench proxy-8k $S.global_batch_tokens=131072 compile.enabled=true \
+    --steps 5 --warmup 3 --json "$OUT/bench_proxy_8k_compile.json"
+step bench_k3_small_fp8_compile python -m moe_lc.cli bench proxy-8k model=k3-small precision=fp8 compile.enabled=true \
+    $S.global_batch_tokens=65536 $S.micro_batch=1 --steps 3 --warmup 2 --json "$OUT/bench_k3_small_fp8_compile.json"
 step bench_proxy_256k python -m moe_lc.cli bench proxy-256k curriculum.stages.ctx256k.global_batch_tokens=262144 \
     --steps 2 --warmup 1 --json "$OUT/bench_proxy_256k.json"
 step compare_paths python benchmarks/compare_paths.py --recipe proxy-8k --steps 20 $S.global_batch_tokens=16384 \
     $S.micro_batch=1 --out "$OUT/compare_paths.json"
 step memory python benchmarks/bench_memory.py --recipe proxy-8k --seq-lens 8192,65536,262144 \
     --policies none,selective,full --out "$OUT/memory.json"
+
+# PACK=1: everything in one archive beside the summary (for machines that return only a few files)
+if [ -n "${PACK:-}" ]; then
+    tar -czf /tmp/gpu_checks.tgz -C "$OUT" . && find "$OUT" -mindepth 1 ! -name summary.txt -delete \
+        && mv /tmp/gpu_checks.tgz "$OUT/gpu_checks.tgz"
+fi

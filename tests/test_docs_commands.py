@@ -129,6 +129,10 @@ COMMANDS: dict[str, object] = {
         "moe-lc bench proxy-8k model=k3-small precision=fp8 curriculum.stages.ctx8k.global_batch_tokens=65536 "
         "curriculum.stages.ctx8k.micro_batch=1 --steps 3 --warmup 2",
         "moe-lc bench proxy-256k curriculum.stages.ctx256k.global_batch_tokens=262144 --steps 2 --warmup 1",
+        "moe-lc bench proxy-8k curriculum.stages.ctx8k.global_batch_tokens=131072 compile.enabled=true --steps 3 "
+        "--warmup 3",
+        "moe-lc bench proxy-8k model=k3-small precision=fp8 compile.enabled=true "
+        "curriculum.stages.ctx8k.global_batch_tokens=65536 curriculum.stages.ctx8k.micro_batch=1 --steps 3 --warmup 2",
         "python benchmarks/bench_memory.py --recipe proxy-8k --seq-lens 8192,65536 --policies none,selective,full",
         "python benchmarks/compare_paths.py --recipe proxy-8k --steps 20 "
         "curriculum.stages.ctx8k.global_batch_tokens=32768 curriculum.stages.ctx8k.micro_batch=1",

@@ -29,6 +29,7 @@ from moe_lc.model.transformer import MoELCModel
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
 from moe_lc.parallel.data_parallel import DataParallelGroups, apply_fsdp, mixed_precision_policy
 from moe_lc.parallel.expert_parallel import apply_expert_parallel
+from moe_lc.parallel.compile import RegionalCompile, apply_compile
 from moe_lc.parallel.float8 import Float8Training, apply_float8
 from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.parallel.local_params import expose_all_local_parameters
@@ -56,6 +57,7 @@ def parallelize(
     checkpointing: Optional[ActivationCheckpointing] = None,
     seq_len: Optional[int] = None,
     float8: Optional[Float8Training] = None,
+    compiled: Optional[RegionalCompile] = None,
 ) -> MoELCModel:
     """Apply ``layout`` and the activation ``checkpointing`` policy (None: none) to ``model`` in place
     (and return it). Every rank must pass an identical model.
@@ -65,7 +67,8 @@ def parallelize(
     With pp > 1 the model keeps this rank's stages only and is trained through
     ``parallel_context(model).pipeline``; ``seq_len`` is the sequence length the stages are balanced
     for (attention's cost grows with it; None: 4096), unless the layout lists ``pp_stage_layers``.
-    ``float8``: convert the dense linears to FP8 (``moe_lc.parallel.float8``; None: none).
+    ``float8``: convert the dense linears to FP8 (``moe_lc.parallel.float8``; None: none);
+    ``compiled``: the modules to ``torch.compile`` (``moe_lc.parallel.compile``; None: none).
     """
     if getattr(model, "moe_lc_parallel", None) is not None:
         raise ConfigError("this model is already parallelized; build a fresh model for another layout")
@@ -85,6 +88,8 @@ def parallelize(
         apply_expert_parallel(model, expert_mesh["ep"])
     if float8 is not None:
         apply_float8(model, float8, layout.tp)
+    if compiled is not None:
+        apply_compile(model, compiled, layout.tp)
     expose_all_local_parameters(model)
     apply_activation_checkpointing(model, checkpointing or ActivationCheckpointing())
     stages = build_stages(model, pipeline_plan, pp_rank) if pipeline_plan is not None else None

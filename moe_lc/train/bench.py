@@ -132,7 +132,7 @@ def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled
     matmul_peak = measured_matmul_peak(device)  # before the model: the device is otherwise idle
     reset_peak_memory(device)
     state = build_model_state(cfg.model, cfg.optim, plan.layout, runtime, cfg.seed, plan.checkpointing, plan.seq_len,
-                              float8_policy(cfg))
+                              float8_policy(cfg), cfg.compile)
     data = build_stage_data(plan, cfg.data, cfg.model.vocab_size, cfg.seed, sync=runtime.rank0_first)
     count = warmup + steps
     taken_steps = run_steps(state, data, range(plan.start_step, plan.start_step + count), 0, total_steps(plans),

@@ -22,6 +22,7 @@ from omegaconf import MISSING
 from moe_lc.config import ConfigError, ModelConfig
 from moe_lc.optim import OptimConfig
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing
+from moe_lc.parallel.compile import RegionalCompile
 from moe_lc.parallel.float8 import Float8Training
 from moe_lc.parallel.layout import ParallelLayout
 
@@ -173,6 +174,8 @@ class TrainConfig:
     # GEMMs in float8, the rest as bf16; `float8:` below) | fp64 (tests)
     precision: str = "auto"
     float8: Float8Training = field(default_factory=Float8Training)  # how precision=fp8 runs
+    # torch.compile of the norms, AttnRes mixers and float8 linears (enabled, targets; moe_lc.parallel.compile)
+    compile: RegionalCompile = field(default_factory=RegionalCompile)
     resume: str = "auto"  # auto (newest valid checkpoint; fresh only in a new run dir) | none | fresh | PATH
     init_from: Optional[str] = None  # checkpoint whose model weights start a fresh run
     max_steps: Optional[int] = None  # stop after this global step (the schedule still spans the curriculum)

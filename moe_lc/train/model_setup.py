@@ -18,6 +18,7 @@ from torch import nn
 from moe_lc.config import ConfigError, ModelConfig
 from moe_lc.optim import OptimConfig, build_optimizer, clip_grad_norm
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
+from moe_lc.parallel.compile import RegionalCompile, apply_compile
 from moe_lc.parallel.float8 import Float8Training, apply_float8
 from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.train.config import TrainConfig
@@ -96,10 +97,12 @@ def build_model_state(
     checkpointing: Optional[ActivationCheckpointing] = None,
     seq_len: Optional[int] = None,
     float8: Optional[Float8Training] = None,
+    compiled: Optional[RegionalCompile] = None,
 ) -> ModelState:
     """Model and optimizer for ``layout`` with the activation ``checkpointing`` policy (None: none);
     ``seq_len``: what a pipeline's stages are balanced for (the first stage this model trains);
-    ``float8``: the FP8 linears of ``precision=fp8`` (None: none)."""
+    ``float8``: the FP8 linears of ``precision=fp8`` (None: none); ``compiled``: the modules to
+    ``torch.compile`` (``moe_lc.parallel.compile``; None: none)."""
     from moe_lc.model.init import build_model
 
     layout.validate(model_cfg, runnable=True)  # before building anything
@@ -111,6 +114,8 @@ def build_model_state(
             raise ConfigError(f"the layout needs {layout.world_size} ranks but this is a single process")
         if float8 is not None:
             apply_float8(model, float8)
+        if compiled is not None:
+            apply_compile(model, compiled)
         apply_activation_checkpointing(model, checkpointing)
         model.train()
         return ModelState(model, build_optimizer(model, optim_cfg), layout, None, 0, 1, None, True)
@@ -118,7 +123,7 @@ def build_model_state(
     from moe_lc import parallel
 
     mesh = parallel.build_mesh(layout, runtime.world_size, runtime.device.type)
-    model = parallel.parallelize(model, layout, mesh, checkpointing, seq_len, float8)
+    model = parallel.parallelize(model, layout, mesh, checkpointing, seq_len, float8, compiled)
     model.train()
     if layout.dp_mode == "zero1":
         optimizer = parallel.build_optimizer(model, _optimizer_over(model, optim_cfg))

@@ -234,6 +234,7 @@ def validate_train_config(cfg: TrainConfig) -> TrainConfig:
         layout = stage_layout(cfg.layout, name, st.layout)
         try:
             layout.check_degrees()
+            cfg.compile.check(layout.tp)
         except ConfigError as err:
             raise ConfigError(f"{where}: {err}") from err
         stage_checkpointing(cfg.activation_checkpointing, name, st.activation_checkpointing)

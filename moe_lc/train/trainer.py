@@ -362,7 +362,7 @@ class Trainer:
             if self.runtime.device.type == "cuda":
                 torch.cuda.empty_cache()
         state = build_model_state(cfg.model, cfg.optim, plan.layout, self.runtime, cfg.seed, plan.checkpointing,
-                                  plan.seq_len, float8_policy(cfg))
+                                  plan.seq_len, float8_policy(cfg), cfg.compile)
         if state.pipeline is not None:
             self.log.message(state.pipeline.describe())
         if resume_path is not None:

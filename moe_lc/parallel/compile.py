@@ -1,0 +1,89 @@
+"""Regional ``torch.compile`` (``compile:`` in a recipe): the small elementwise-heavy modules compiled
+one by one, applied from outside the model like the other transforms.
+
+Why these and not whole decoder layers: on one H200 at 8K, two thirds of a training step's kernel
+time is elementwise work and copies over [tokens, d] fp32 tensors in ~4,000 launches
+(docs/performance.md §12.3), while the GEMMs, attention and the KDA kernels are already single
+kernels. An RMSNorm in eager mode is about 8 kernels forward and 12 backward (upcast, square, mean,
+rsqrt, two products, a cast), and there are several per layer; compiled, it is one or two each way.
+The KDA and attention ops take the batch's document bounds as host lists, on which Dynamo would
+guard and recompile for every new batch, so the layers themselves stay eager.
+
+Targets (``compile.targets``):
+
+- ``norms``: every RMSNorm of the model (the AttnRes mixers' norms belong to ``attn_res``);
+- ``attn_res``: every AttnRes depth mixer (norm of each source, scores, softmax over depth and the
+  weighted sum, with its hand-written backward);
+- ``float8``: every torchao float8 linear (``precision=fp8``): eager float8 runs its amax, scale and
+  cast as separate kernels around each GEMM, which compiling fuses.
+
+Each module is compiled on first call for the shapes it sees (a new sequence length compiles
+again, once). Not combined with tensor parallelism yet (the norms would see DTensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+from torch import nn
+
+from moe_lc.config import ConfigError
+from moe_lc.model.attn_res import DepthMixer
+from moe_lc.model.norm import RMSNorm
+from moe_lc.parallel.layout import Choice, parse_choice
+
+
+class CompileTarget(Choice):
+    norms = "norms"
+    attn_res = "attn_res"
+    float8 = "float8"
+
+
+@dataclass
+class RegionalCompile:
+    """Which modules ``torch.compile`` compiles (``compile:`` in a recipe; off by default)."""
+
+    enabled: bool = False
+    targets: List[str] = field(default_factory=lambda: ["norms", "attn_res", "float8"])
+
+    def __post_init__(self) -> None:
+        self.targets = [parse_choice(CompileTarget, "compile.targets", t) for t in self.targets]
+
+    def check(self, tp: int = 1) -> "RegionalCompile":
+        if self.enabled and tp > 1:
+            raise ConfigError(f"compile.enabled=true with layout.tp={tp}: regional compilation is not combined "
+                              "with tensor parallelism yet; set compile.enabled=false or layout.tp=1")
+        return self
+
+
+def _is_float8_linear(module: nn.Module) -> bool:
+    return type(module).__name__ == "Float8Linear"  # torchao's; no import where torchao is absent
+
+
+def compile_targets(model: nn.Module, targets: list) -> list[str]:
+    """Paths of the modules that ``targets`` select in ``model``, in module order."""
+    chosen = set(targets)
+    in_mixers = {id(m.norm) for m in model.modules() if isinstance(m, DepthMixer)}
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, DepthMixer):
+            picked = CompileTarget.attn_res in chosen
+        elif isinstance(module, RMSNorm):
+            picked = CompileTarget.norms in chosen and id(module) not in in_mixers
+        else:
+            picked = CompileTarget.float8 in chosen and _is_float8_linear(module)
+        if picked:
+            names.append(name)
+    return names
+
+
+def apply_compile(model: nn.Module, policy: RegionalCompile, tp: int = 1) -> list[str]:
+    """Compile the modules ``policy`` selects in place (``nn.Module.compile``); their paths."""
+    policy.check(tp)
+    if not policy.enabled:
+        return []
+    names = compile_targets(model, policy.targets)
+    for name in names:
+        model.get_submodule(name).compile()
+    return names

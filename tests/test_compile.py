@@ -1,0 +1,76 @@
+"""compile.enabled (moe_lc.parallel.compile): which modules are compiled, that they compile without
+falling back to eager, and that a compiled model computes what the eager one does.
+
+Inductor runs on CPU (it generates C++), so the numerics are checked here: one forward and backward
+of the tiny model, compiled and eager, from the same weights on the same batch. Inductor may fuse
+and reorder the fp32 reductions of a norm (over d = 64 values) and of the depth softmax, so values
+may differ by a few eps32 per reduction; the bound is 64 eps32 relative to the largest magnitude.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from configs import tiny
+
+from moe_lc.config import ConfigError
+from moe_lc.model.init import build_model
+from moe_lc.parallel.compile import RegionalCompile, apply_compile, compile_targets
+from moe_lc.train.main import run_train_cli
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _exactly(model: nn.Module, class_name: str) -> set[str]:
+    return {name for name, m in model.named_modules() if type(m).__name__ == class_name}
+
+
+def test_the_targets_are_every_norm_and_every_depth_mixer():
+    model = build_model(tiny(mtp=True), device="cpu", seed=0)
+    norms, mixers = compile_targets(model, ["norms"]), compile_targets(model, ["attn_res"])
+    # every plain RMSNorm (the mixers' own norms are a subclass whose forward is the whole mixture)
+    assert set(norms) == _exactly(model, "RMSNorm") and len(norms) == len(set(norms))
+    assert set(mixers) == _exactly(model, "DepthMixer")
+    assert "out_mixer" in mixers and "layers.0.attn_norm" in norms and "mtp.proj" not in norms
+    assert compile_targets(model, ["float8"]) == []  # no float8 linears without precision=fp8
+    assert set(compile_targets(model, ["norms", "attn_res"])) == set(norms) | set(mixers)
+
+
+def test_a_compiled_model_computes_what_the_eager_one_does():
+    torch._dynamo.reset()
+    cfg = tiny(num_layers=3, layer_pattern="KKM")
+    eager, compiled = build_model(cfg, device="cpu", seed=0), build_model(cfg, device="cpu", seed=0)
+    names = apply_compile(compiled, RegionalCompile(enabled=True, targets=["norms", "attn_res"]))
+    assert names and all(compiled.get_submodule(n)._compiled_call_impl is not None for n in names)
+    ids = torch.randint(0, cfg.vocab_size, (2, 65), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.utils.counters.clear()
+    results = []
+    for model in (eager, compiled):
+        out = model(ids[:, :-1], labels=ids[:, 1:], return_logits=False)
+        out.loss.backward()
+        results.append((out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # it did compile
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    (loss_e, grads_e), (loss_c, grads_c) = results
+    assert abs(loss_c - loss_e) <= 64 * EPS32 * abs(loss_e)
+    for name, g in grads_e.items():
+        bound = 64 * EPS32 * g.abs().max().item()
+        assert (grads_c[name] - g).abs().max().item() <= bound, name
+
+
+def test_off_compiles_nothing_and_tensor_parallel_is_refused():
+    model = build_model(tiny(), device="cpu", seed=0)
+    assert apply_compile(model, RegionalCompile()) == []
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
+    with pytest.raises(ConfigError, match="layout.tp=2"):
+        apply_compile(model, RegionalCompile(enabled=True), tp=2)
+
+
+def test_bad_compile_settings_are_one_line(capsys, tmp_path):
+    for args, needle in ((["compile.enabled=true", "layout.tp=2"], "compile.enabled=true with layout.tp=2"),
+                         (["compile.targets=[norms,mlp]"], "compile.targets='mlp': use one of")):
+        assert run_train_cli([*args, "max_steps=1", f"run_dir={tmp_path}"]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and needle in err, err
