@@ -89,7 +89,7 @@ COMMANDS: dict[str, object] = {
     # every stage of the launch script's 2-rank example splits over its ranks (its run below is one step)
     "moe-lc plan NAME [key=value ...]": Run(command="moe-lc plan smoke layout=dp2 "
                                                     "curriculum.stages.ctx16k.global_batch_tokens=32768"),
-    "moe-lc bench NAME [key=value ...] [--profile]": Run(PROXY_BENCH, command="moe-lc bench proxy-8k --profile"),
+    "moe-lc bench NAME [key=value ...] [--profile]": NotRun("the synopsis; moe-lc bench proxy-8k --steps 10 --profile runs it"),
     "moe-lc report RUN_DIR [--out DIR]": Run(command="moe-lc report runs/smoke --out report-copy"),
     "moe-lc plan NAME --gpus 1024 --gpu-memory 141": Run(command="moe-lc plan proxy-8k --gpus 1024 --gpu-memory 141"),
     # README.md, docs/parallelism.md: the planner's search

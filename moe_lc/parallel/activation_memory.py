@@ -45,11 +45,15 @@ FUSED_KDA_EXTRA_ACT_PER_HEAD = KDA_CHUNK
 # log-sum-exp (fp32 per head and token).
 ATTENTION_LSE_FP32_PER_HEAD = 1
 
-# Working memory of the backward on top of what is stored (calibrate with bench_memory.py): per
-# token, the fp32 gradients of a few residual-stream tensors in flight, and what the fused KDA
-# backward holds while one layer runs (per-chunk states and state gradients, bf16 + fp32,
-# T/64 x H x K x V; G and scratch, fp32 [T, H, K] each).
+# Working memory of the backward on top of what is stored: per token, the fp32 gradients of a few
+# residual-stream tensors in flight, what the fused KDA backward holds while one layer runs
+# (per-chunk states and state gradients, bf16 + fp32, T/64 x H x K x V; G and scratch, fp32
+# [T, H, K] each), and a share of the heaviest checkpointed layer's recomputed tensors: its
+# backward frees them as it goes, so not all are alive at once. The shares are measured
+# (benchmarks/bench_memory.py, proxy at 64K on an H200: 5.65 GiB above what is stored under full
+# checkpointing, 2.8 GiB under selective; docs/performance.md §12.4).
 BACKWARD_STREAM_GRADIENTS = 4
+RECOMPUTE_ALIVE_SHARE = {CheckpointMode.none: 0.0, CheckpointMode.selective: 0.25, CheckpointMode.full: 0.45}
 
 
 def fused_kda_backward_bytes_per_head(key_dim: int, value_dim: int) -> float:
@@ -119,10 +123,14 @@ def _norm(t: _Tally, width: int, x_bytes: int, path: ExecutionPath, readers: int
 
 
 def _glu(t: _Tally, rows: float, hidden: int, activation: str, path: ExecutionPath) -> None:
-    """W_out act(W_gate x, W_in x) on ``rows`` per token (its input is counted by the caller)."""
-    swiglu = activation == "swiglu"
-    t.matmul(2 * rows * path.act * hidden, saved=swiglu)  # a and c: SwiGLU keeps them, SiTU its tanh terms
-    t.saved((2 if swiglu else 7) * rows * path.act * hidden)  # the activation's saved terms and its output
+    """W_out act(W_gate x, W_in x) on ``rows`` per token (its input is counted by the caller).
+
+    SwiGLU keeps a and c; SiTU in PyTorch keeps its tanh terms instead, the fused SiTU kernel (GPU
+    path) a and c; and W_out keeps the activation's output."""
+    keeps_ac = activation == "swiglu" or path.fused
+    t.matmul(2 * rows * path.act * hidden, saved=keeps_ac)
+    t.saved((0 if keeps_ac else 5) * rows * path.act * hidden)  # PyTorch SiTU's saved terms
+    t.saved(rows * path.act * hidden)  # the activation's output
 
 
 def _kda(t: _Tally, cfg: ModelConfig, path: ExecutionPath) -> None:
@@ -371,6 +379,8 @@ def backward_working_bytes_per_token(cfg: ModelConfig, policy: ActivationCheckpo
     for i, layer in enumerate(layers):
         if policy.checkpoints(i if layer.label != "mtp" else cfg.num_layers):
             recompute = max(recompute, layer.none - layer.under(policy.mode))
+    if path.fused:
+        recompute *= RECOMPUTE_ALIVE_SHARE[policy.mode]
     kda = 0.0
     if path.fused and "K" in cfg.pattern:
         kda = cfg.kda.num_heads * fused_kda_backward_bytes_per_head(cfg.kda.head_dim, cfg.kda.head_dim)

@@ -17,12 +17,14 @@ the forward/backward's and the optimizer step's. Terms (bytes per GPU):
   (`moe_lc.parallel.activation_memory`, per layer and policy, tokens split over cp and tp), 1F1B
   keeping up to ``pp - s`` micro-batches on stage s; under cp the MLA layers that keep their keys
   and values keep them for the whole row (the gathered latents are up-projected on every rank).
-- backward: the recompute of one checkpointed layer, the KDA backward's buffers, gradients in
-  flight; logits: one chunk of the loss (last stage).
+- backward: the recompute of one checkpointed layer (the share of it alive at once), the KDA
+  backward's buffers, gradients in flight; logits: one recomputed chunk of the loss (last stage,
+  when the loss is chunked; else its log-probabilities are among the activations). The two do not
+  overlap: the peak takes the larger.
 - buffers: FSDP's all-gathered bf16 parameters (the root's through the step, the largest unit and
   the next one prefetched) and that unit's unsharded gradients (bf16 and their fp32 copy); under
-  bf16 autocast over fp32 weights (ZeRO-1, one GPU) autocast's cached bf16 copy of every dense
-  weight, alive until the forward ends; the EP
+  bf16 autocast over fp32 weights (ZeRO-1, one GPU) the bf16 copy of every weight, experts
+  included, which the backward keeps until it passes the weight's layer; the EP
   dispatch's send and receive rows; the residual stream tensors a pipeline stage receives per
   in-flight micro-batch and one send buffer; under cp one MLA layer's gathered latents and the
   whole row's keys and values, and the KDA states' all-gather.
@@ -52,7 +54,9 @@ from moe_lc.plan.model_facts import ModelFacts, PipelineStage, Share
 
 GiB = 1024**3
 LOSS_CHUNK_ELEMENTS = 1 << 28  # MoELCModel.loss_chunk_elements: logits computed (and recomputed) per chunk
-LOSS_BYTES_PER_LOGIT = 2 + 4 + 4  # bf16 logits, their fp32 log-probabilities and gradient, one chunk at a time
+# bf16 logits and their fp32 log-probabilities, one recomputed chunk at a time (the gradient takes the
+# log-probabilities' place: measured 1.5 GiB above what is stored for 8192 x 32768 logits on an H200)
+LOSS_BYTES_PER_LOGIT = 2 + 4
 ADAMW_STATE = 8  # two fp32 moments
 MUON_STATE = 4  # one fp32 momentum buffer
 MUON_WORKING_BYTES = FP32 + 2 * 2  # per element of the largest whole matrix: fp32 update, bf16 iterate and result
@@ -82,8 +86,9 @@ class Degrees:
 
     @classmethod
     def of(cls, layout: ParallelLayout) -> "Degrees":
+        fsdp = layout.dp_mode == "fsdp" and layout.world_size > 1  # one process trains its module unwrapped
         return cls(layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.ep, layout.edp,
-                   layout.world_size, layout.dp_mode == "fsdp", layout.fsdp_reduce_every_micro_batch)
+                   layout.world_size, fsdp, layout.fsdp_reduce_every_micro_batch)
 
     @property
     def dp(self) -> int:
@@ -129,8 +134,9 @@ class MemoryBreakdown:
 
     @property
     def training_peak(self) -> float:
+        """The loss chunk's logits come and go before the layers' backward starts: the larger of the two."""
         return (self.weights + self.gradients + self.optimizer + self.accumulation + self.activations
-                + self.backward + self.logits + sum(self.buffers.values()))
+                + max(self.backward, self.logits) + sum(self.buffers.values()))
 
     @property
     def total(self) -> float:
@@ -219,8 +225,8 @@ class MemoryModel:
                      + optimizer_bytes_per_param(self.optimizer, True) * adamw_share)
         accumulation = FP32 * local if fsdp and shape.grad_accum(L) > 1 and not L.reduce_every_micro_batch else 0.0
         logits = 0.0
-        if stage.last:
-            loss_tokens = shape.row_tokens // L.cp
+        loss_tokens = shape.row_tokens // L.cp
+        if stage.last and loss_tokens * cfg.padded_vocab_size > LOSS_CHUNK_ELEMENTS:  # else kept: in the activations
             logits = min(loss_tokens * (cfg.padded_vocab_size // L.tp), LOSS_CHUNK_ELEMENTS) * LOSS_BYTES_PER_LOGIT
 
         tokens = shape.rank_tokens(L)
@@ -238,8 +244,7 @@ class MemoryModel:
             sources = sources_before_layer(cfg, stage.layers.start)
             received = self._in_flight(stage, L) + 1  # one set per micro-batch in flight, one send buffer
             buffers["pp"] = sources * tokens * cfg.d_model * max(path.stream, path.act) * received
-        # bf16 autocast over fp32 weights caches each dense weight's bf16 copy until the forward ends
-        buffers["autocast"] = 2 * params.dense(L.tp) if path.casts else 0.0
+        buffers["autocast"] = 0.0  # depends on the policy: _with_policy
         buffers["cp"] = 0.0
         if L.cp > 1 and stage.mla_layers:
             buffers["cp"] += self._row_kv(L, path) + shape.row_tokens * (m.kv_lora_rank + m.qk_rope_dim) * path.act
@@ -267,5 +272,25 @@ class MemoryModel:
             activations += keeps_kv * self._row_kv(L, path) * (1 - 1 / L.cp)
         activations *= self._in_flight(stage, L)
         backward = tokens * self._backward_per_token(policy, path)
+        buffers = {**fixed.buffers, "autocast": self._autocast_copies(stage, L, policy) if path.casts else 0.0}
         return MemoryBreakdown(fixed.stage, fixed.weights, fixed.gradients, fixed.optimizer, fixed.accumulation,
-                               activations, backward, fixed.logits, fixed.buffers, fixed.optimizer_step)
+                               activations, backward, fixed.logits, buffers, fixed.optimizer_step)
+
+    def _autocast_copies(self, stage: PipelineStage, L: Degrees, policy: ActivationCheckpointing) -> float:
+        """bf16 autocast over fp32 weights: every matmul weight's bf16 copy (the experts' too: grouped_glu
+        casts them as autocast casts a matmul's) is kept for backward until the backward passes its
+        layer; a checkpointed layer makes its copies again in its backward, one layer at a time. The
+        embedding is looked up, not cast. (Measured on an H200: ~130 MB a layer of the proxy without
+        checkpointing, none visible under full checkpointing.)"""
+        kept, recomputed = 0.0, 0.0
+        for block in stage.blocks:
+            if block.label == "embedding":
+                continue
+            copy = 2 * block.params.local(L.tp, L.ep)
+            index = self.facts.cfg.num_layers if block.label == "mtp" else (
+                int(block.label[len("layer"):]) if block.label.startswith("layer") else None)
+            if index is not None and policy.mode != CheckpointMode.none and policy.checkpoints(index):
+                recomputed = max(recomputed, copy)
+            else:
+                kept += copy
+        return kept + recomputed
