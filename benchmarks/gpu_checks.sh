@@ -6,6 +6,8 @@
 #
 #   OUT=results/gpu STEP_TIMEOUT=300 bash benchmarks/gpu_checks.sh      # PACK=1: one .tgz of it all
 #
+# ONLY="gpu_tests compare_paths" runs just the named steps (a machine lent for 10-minute calls).
+#
 # Needs a CUDA GPU and the project importable (installed, or on PYTHONPATH with moe_lc_kernels and
 # moe_lc_recipes); torchao for the fp8 step. `python -m moe_lc.cli` is `moe-lc`.
 set -uo pipefail
@@ -17,6 +19,7 @@ mkdir -p "$OUT"
 step() {
     local name=$1
     shift
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
     echo "== $name ($(date +%T))"
     timeout "$STEP_TIMEOUT" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
