@@ -19,10 +19,12 @@ from moe_lc.model.accounting import (
 from moe_lc.model.init import build_model
 from moe_lc.model.moe import RoutedExperts
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing
-from moe_lc.parallel.activation_memory import GPU_AUTOCAST, GPU_BF16_WEIGHTS, estimate_activations, layer_activations
+from moe_lc.parallel.activation_memory import (
+    GPU_AUTOCAST, GPU_BF16_WEIGHTS, estimate_activations, gpu_execution_path, layer_activations,
+)
 from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.plan.hardware import ClusterRequest
-from moe_lc.plan.memory import MemoryModel, StageShape, gpu_execution_path
+from moe_lc.plan.memory import MemoryModel, StageShape
 from moe_lc.plan.model_facts import model_facts
 from moe_lc.plan.search import EP_MAX_NODES, MIN_CP_TOKENS, candidate_layouts, recommend
 from moe_lc.plan.step_time import TimeModel

@@ -78,7 +78,7 @@ GPU_BF16_WEIGHTS = ExecutionPath(act=2, stream=2, casts=False, fused=True)  # FS
 def gpu_execution_path(layout: ParallelLayout) -> ExecutionPath:
     """How the layers run on GPUs under ``layout`` (resolved): FSDP with bf16 compute weights, else fp32
     weights under bf16 autocast (one process, ZeRO-1, or FSDP with param_dtype float32)."""
-    bf16_weights = layout.world_size > 1 and layout.dp_mode == "fsdp" and layout.param_dtype in ("auto", "bfloat16")
+    bf16_weights = layout.wraps_with_fsdp and layout.param_dtype in ("auto", "bfloat16")
     return GPU_BF16_WEIGHTS if bf16_weights else GPU_AUTOCAST
 
 

@@ -324,6 +324,12 @@ class ParallelLayout:
         return self.dp_shard * self.cp * self.tp // self.ep
 
     @property
+    def wraps_with_fsdp(self) -> bool:
+        """Whether the model is wrapped by FSDP: dp_mode fsdp over more than one rank (a single process
+        trains its module as it is)."""
+        return self.dp_mode == "fsdp" and self.world_size > 1
+
+    @property
     def state_shards(self) -> int:
         """Ranks that split parameters/optimizer state (everything but replicas)."""
         self._require_resolved("state_shards")

@@ -40,17 +40,16 @@ from typing import Optional, Sequence
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointMode
 from moe_lc.parallel.activation_memory import (
     FP32,
-    GPU_AUTOCAST,
     ActivationEstimate,
-    GPU_BF16_WEIGHTS,
     ExecutionPath,
     backward_working_bytes_per_token,
     estimate_activations,
+    gpu_execution_path,
     layer_activations,
     sources_before_layer,
 )
 from moe_lc.parallel.layout import ParallelLayout
-from moe_lc.plan.model_facts import ModelFacts, PipelineStage, Share
+from moe_lc.plan.model_facts import EMBEDDING, MTP, ModelFacts, PipelineStage, Share
 
 GiB = 1024**3
 LOSS_CHUNK_ELEMENTS = 1 << 28  # MoELCModel.loss_chunk_elements: logits computed (and recomputed) per chunk
@@ -60,13 +59,6 @@ LOSS_BYTES_PER_LOGIT = 2 + 4
 ADAMW_STATE = 8  # two fp32 moments
 MUON_STATE = 4  # one fp32 momentum buffer
 MUON_WORKING_BYTES = FP32 + 2 * 2  # per element of the largest whole matrix: fp32 update, bf16 iterate and result
-
-
-def gpu_execution_path(layout: ParallelLayout) -> ExecutionPath:
-    """How the layers run on GPUs under ``layout``: FSDP with bf16 compute weights, else fp32 weights
-    under bf16 autocast (one process, ZeRO-1, or FSDP with param_dtype float32)."""
-    bf16_weights = layout.world_size > 1 and layout.dp_mode == "fsdp" and layout.param_dtype in ("auto", "bfloat16")
-    return GPU_BF16_WEIGHTS if bf16_weights else GPU_AUTOCAST
 
 
 @dataclass(frozen=True)
@@ -86,9 +78,8 @@ class Degrees:
 
     @classmethod
     def of(cls, layout: ParallelLayout) -> "Degrees":
-        fsdp = layout.dp_mode == "fsdp" and layout.world_size > 1  # one process trains its module unwrapped
         return cls(layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.ep, layout.edp,
-                   layout.world_size, fsdp, layout.fsdp_reduce_every_micro_batch)
+                   layout.world_size, layout.wraps_with_fsdp, layout.fsdp_reduce_every_micro_batch)
 
     @property
     def dp(self) -> int:
@@ -282,13 +273,13 @@ class MemoryModel:
         layer; a checkpointed layer makes its copies again in its backward, one layer at a time. The
         embedding is looked up, not cast. (Measured on an H200: ~130 MB a layer of the proxy without
         checkpointing, none visible under full checkpointing.)"""
+        checkpoint_index = {f"layer{i}": i for i in stage.layers} | {MTP: self.facts.cfg.num_layers}
         kept, recomputed = 0.0, 0.0
         for block in stage.blocks:
-            if block.label == "embedding":
+            if block.label == EMBEDDING:
                 continue
             copy = 2 * block.params.local(L.tp, L.ep)
-            index = self.facts.cfg.num_layers if block.label == "mtp" else (
-                int(block.label[len("layer"):]) if block.label.startswith("layer") else None)
+            index = checkpoint_index.get(block.label)
             if index is not None and policy.mode != CheckpointMode.none and policy.checkpoints(index):
                 recomputed = max(recomputed, copy)
             else:

@@ -17,9 +17,10 @@ from typing import Optional
 
 from moe_lc.model.accounting import count_parameters, training_flops_per_token
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointMode
+from moe_lc.parallel.activation_memory import gpu_execution_path
 from moe_lc.parallel.pipeline_split import describe_split, pipeline_split
 from moe_lc.plan.hardware import Cluster, default_cluster
-from moe_lc.plan.memory import GiB, MemoryBreakdown, MemoryModel, StageShape, gpu_execution_path
+from moe_lc.plan.memory import GiB, MemoryBreakdown, MemoryModel, StageShape
 from moe_lc.plan.model_facts import ModelFacts, model_facts
 from moe_lc.plan.report import assumptions, recommendation_lines
 from moe_lc.plan.search import recommend

@@ -49,8 +49,8 @@ from moe_lc.ops.documents import DocumentBounds, upload
 from moe_lc.optim import OptimConfig, apply_lr
 from moe_lc.model.transformer import IGNORE_INDEX, mtp_labels
 from moe_lc.parallel import data_parallel_group
-from moe_lc.parallel.context import ContextShard, shard_model_inputs, shard_row
 from moe_lc.parallel.activation_checkpointing import CheckpointMode
+from moe_lc.parallel.context import ContextShard, shard_model_inputs, shard_row
 from moe_lc.parallel.loss_weights import TermWeights, weighted_terms
 from moe_lc.parallel.pipeline_stage import StageBatch
 from moe_lc.train.bad_steps import step_if_finite, update_biases_if_finite
