@@ -28,8 +28,10 @@ cumsum G (one fp32 [T, H, K], 2.1 GB there) and [T, H, K] fp32 scratch only whil
 backward runs (``bwd_states`` in TUNING).
 
 Plans (chunk and segment tables) are cached per (lengths, device, segments) and uploaded in one
-pinned, non-blocking copy (``transfer.upload``): a copy from pageable memory synchronised the stream on every call and
-left the GPU idle while the host launched the next kernels (0.6 ms of 2.7 at B=8,T=4K).
+pinned, non-blocking copy per dtype (``transfer.upload_tables``): a copy from pageable memory synchronised the
+stream on every call and left the GPU idle while the host launched the next kernels (0.6 ms of 2.7 at B=8,T=4K).
+Each table starts 16-byte aligned: Triton specialises on pointer alignment, and tables packed end to end
+recompiled the state kernels for every new batch layout (~1 s each, the slow steps of a run's first minutes).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from moe_lc_kernels.transfer import upload
+from moe_lc_kernels.transfer import upload_tables
 
 CHUNK = 64
 # Launch choices (docs/performance.md §4.9); MOE_LC_KDA_TUNING="key=value,..." overrides.
@@ -173,11 +175,10 @@ def build_plan(seq_lens: list[int], device: torch.device, segment_chunks: int | 
     split_order = [s for s in longest_first if seq_nseg[seq_of[s]] > 1]
     later_order = [s for s in longest_first if s != seq_seg0[seq_of[s]]]
 
-    # One host buffer per dtype, one upload each (``upload``: no wait for queued GPU work)
+    # One upload per dtype (no wait for queued GPU work), every table 16-byte aligned (``upload_tables``)
     tables = (chunk_bos, chunk_eos, seg_chunk0, seg_nchunks, seg_bos, seg_eos, seq_seg0, seq_nseg, longest_first,
               split_order, later_order)
-    host = torch.tensor([x for table in tables for x in table], dtype=torch.int32)
-    ints = torch.split(upload(host, device), [len(table) for table in tables])
+    ints = upload_tables(tables, torch.int32, device)
 
     first = torch.tensor(seq_seg0, dtype=torch.long)
     nseg = torch.tensor(seq_nseg, dtype=torch.long)
@@ -187,7 +188,7 @@ def build_plan(seq_lens: list[int], device: torch.device, segment_chunks: int | 
         seqs = torch.nonzero(nseg > j).flatten()
         steps.append((seqs, first[seqs] + j))
     longs = [t for step in steps for t in step] + [last, first]
-    on_device = torch.split(upload(torch.cat(longs), device), [len(t) for t in longs])
+    on_device = upload_tables(longs, torch.long, device)
     return _Plan(
         chunk_bos=ints[0], chunk_eos=ints[1], seg_chunk0=ints[2], seg_nchunks=ints[3], seg_bos=ints[4],
         seg_eos=ints[5], seq_seg0=ints[6], seq_nseg=ints[7], seg_order=ints[8], split_order=ints[9],

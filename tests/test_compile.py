@@ -20,7 +20,7 @@ from configs import tiny
 
 from moe_lc.config import ConfigError
 from moe_lc.model.init import build_model
-from moe_lc.parallel.compile import RegionalCompile, apply_compile, compile_targets
+from moe_lc.parallel.compile import RECOMPILE_LIMIT, RegionalCompile, apply_compile, compile_targets
 from moe_lc.train.main import run_train_cli
 
 EPS32 = torch.finfo(torch.float32).eps
@@ -73,6 +73,13 @@ def test_off_compiles_nothing_and_tensor_parallel_is_refused():
     assert all(getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
     with pytest.raises(ConfigError, match="layout.tp=2"):
         apply_compile(model, RegionalCompile(enabled=True), tp=2)
+
+
+def test_compiling_lifts_dynamos_recompile_limit(monkeypatch):
+    # every norm shares RMSNorm.forward: past Dynamo's default of 8 variants the rest ran eager (fp8, H200)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    apply_compile(build_model(tiny(), device="cpu", seed=0), RegionalCompile(enabled=True))
+    assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT > 8
 
 
 def test_bad_compile_settings_are_one_line(capsys, tmp_path):

@@ -371,6 +371,31 @@ def test_plan_splits_documents_into_chunks_and_segments():
     assert plan.split_order.tolist() == [1, 2] and plan.later_order.tolist() == [2]
 
 
+def test_plan_tables_start_16_byte_aligned_for_any_document_lengths():
+    # Triton compiles a kernel again for each new pattern of 16-byte-aligned pointers: tables packed
+    # end to end made every new batch layout recompile the state kernels on the GPU
+    from dataclasses import fields
+
+    for lengths in ([3, 130, 64], [1], [5, 7, 9, 200, 64, 1, 33], [8192], [100] * 13):
+        for segment_chunks in (None, 2):
+            plan = build_plan(lengths, torch.device("cpu"), segment_chunks)
+            tables = [getattr(plan, f.name) for f in fields(plan) if isinstance(getattr(plan, f.name), torch.Tensor)]
+            tables += [t for step in plan.compose_steps for t in step]
+            assert len(tables) >= 13
+            for table in tables:
+                assert table.data_ptr() % 16 == 0, (lengths, segment_chunks)
+
+
+def test_upload_tables_keeps_values_and_lengths():
+    from moe_lc_kernels.transfer import upload_tables
+
+    tables = [[1, 2, 3], [], [4], list(range(9)), torch.tensor([7, 8])]
+    for dtype in (torch.int32, torch.long):
+        out = upload_tables(tables, dtype, torch.device("cpu"))
+        assert [t.tolist() for t in out] == [list(map(int, t)) for t in tables]
+        assert all(t.dtype == dtype and t.data_ptr() % 16 == 0 for t in out)
+
+
 def test_plans_are_cached_per_lengths_and_bounded(monkeypatch):
     from moe_lc_kernels import kda as kda_mod
 

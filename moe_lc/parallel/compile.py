@@ -26,12 +26,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List
 
+import torch
 from torch import nn
 
 from moe_lc.config import ConfigError
 from moe_lc.model.attn_res import DepthMixer
 from moe_lc.model.norm import RMSNorm
 from moe_lc.parallel.layout import Choice, parse_choice
+
+
+# Dynamo keeps one compiled graph per code object and guard set: every RMSNorm (or float8 linear)
+# of the model shares one forward, and each dtype, rank and width it meets is another entry (the
+# proxy's norms meet six; float8 linears see bf16 and fp32 inputs of several widths). Past
+# Dynamo's default of 8 the remaining modules silently run eager, as measured with fp8 on an H200.
+RECOMPILE_LIMIT = 64
 
 
 class CompileTarget(Choice):
@@ -84,6 +92,8 @@ def apply_compile(model: nn.Module, policy: RegionalCompile, tp: int = 1) -> lis
     if not policy.enabled:
         return []
     names = compile_targets(model, policy.targets)
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
     for name in names:
         model.get_submodule(name).compile()
     return names
