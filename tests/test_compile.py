@@ -75,6 +75,18 @@ def test_off_compiles_nothing_and_tensor_parallel_is_refused():
         apply_compile(model, RegionalCompile(enabled=True), tp=2)
 
 
+def test_auto_compiles_one_process_on_a_cuda_gpu_only():
+    auto = RegionalCompile(enabled="auto")
+    assert auto.resolve("cuda", 1).enabled is True
+    assert auto.resolve("cpu", 1).enabled is False
+    assert auto.resolve("cuda", 2).enabled is False and auto.resolve("cuda", 1, tp=2).enabled is False
+    assert RegionalCompile(enabled="true").resolve("cpu", 4).enabled is True  # explicit stays explicit
+    auto.check(tp=2)  # auto with tp > 1 is off, not an error
+    model = build_model(tiny(), device="cpu", seed=0)
+    assert apply_compile(model, auto) == []
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
+
+
 def test_compiling_lifts_dynamos_recompile_limit(monkeypatch):
     # every norm shares RMSNorm.forward: past Dynamo's default of 8 variants the rest ran eager (fp8, H200)
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
@@ -84,7 +96,8 @@ def test_compiling_lifts_dynamos_recompile_limit(monkeypatch):
 
 def test_bad_compile_settings_are_one_line(capsys, tmp_path):
     for args, needle in ((["compile.enabled=true", "layout.tp=2"], "compile.enabled=true with layout.tp=2"),
-                         (["compile.targets=[norms,mlp]"], "compile.targets='mlp': use one of")):
+                         (["compile.targets=[norms,mlp]"], "compile.targets='mlp': use one of"),
+                         (["compile.enabled=sometimes"], "compile.enabled='sometimes': use true, false or auto")):
         assert run_train_cli([*args, "max_steps=1", f"run_dir={tmp_path}"]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and needle in err, err

@@ -23,8 +23,8 @@ again, once). Not combined with tensor parallelism yet (the norms would see DTen
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import List
+from dataclasses import dataclass, field, replace
+from typing import Any, List
 
 import torch
 from torch import nn
@@ -48,18 +48,45 @@ class CompileTarget(Choice):
     float8 = "float8"
 
 
+AUTO = "auto"
+
+
+def _parse_enabled(value: Any) -> bool | str:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "false"):
+        return text == "true"
+    if text == AUTO:
+        return AUTO
+    raise ConfigError(f"compile.enabled={value!r}: use true, false or auto (on for one process on a CUDA GPU)")
+
+
 @dataclass
 class RegionalCompile:
-    """Which modules ``torch.compile`` compiles (``compile:`` in a recipe; off by default)."""
+    """Which modules ``torch.compile`` compiles (``compile:`` in a recipe; off by default).
 
-    enabled: bool = False
+    ``enabled``: true, false, or auto: on where it was measured to pay, one process on a CUDA GPU
+    (1.6x on the proxy at 8K on one H200, docs/performance.md §12); off on a CPU, where Inductor
+    compiles C++ for a model that trains in seconds, and on several ranks, where it is not
+    measured yet (true turns it on there).
+    """
+
+    enabled: Any = False  # true | false | auto (Any: OmegaConf has no bool-or-string type)
     targets: List[str] = field(default_factory=lambda: ["norms", "attn_res", "float8"])
 
     def __post_init__(self) -> None:
+        self.enabled = _parse_enabled(self.enabled)
         self.targets = [parse_choice(CompileTarget, "compile.targets", t) for t in self.targets]
 
+    def resolve(self, device_type: str, world_size: int, tp: int = 1) -> "RegionalCompile":
+        """This policy with ``auto`` decided for the run's device, world size and tp degree."""
+        if self.enabled != AUTO:
+            return self
+        return replace(self, enabled=device_type == "cuda" and world_size == 1 and tp == 1)
+
     def check(self, tp: int = 1) -> "RegionalCompile":
-        if self.enabled and tp > 1:
+        if self.enabled is True and tp > 1:
             raise ConfigError(f"compile.enabled=true with layout.tp={tp}: regional compilation is not combined "
                               "with tensor parallelism yet; set compile.enabled=false or layout.tp=1")
         return self
@@ -86,9 +113,12 @@ def compile_targets(model: nn.Module, targets: list) -> list[str]:
     return names
 
 
-def apply_compile(model: nn.Module, policy: RegionalCompile, tp: int = 1) -> list[str]:
-    """Compile the modules ``policy`` selects in place (``nn.Module.compile``); their paths."""
+def apply_compile(model: nn.Module, policy: RegionalCompile, tp: int = 1, world_size: int = 1) -> list[str]:
+    """Compile the modules ``policy`` selects in place (``nn.Module.compile``); their paths.
+    ``auto`` is decided for the device of the model's parameters, ``world_size`` and ``tp``."""
     policy.check(tp)
+    device = next(model.parameters()).device
+    policy = policy.resolve(device.type, world_size, tp)
     if not policy.enabled:
         return []
     names = compile_targets(model, policy.targets)

@@ -89,7 +89,7 @@ def parallelize(
     if float8 is not None:
         apply_float8(model, float8, layout.tp)
     if compiled is not None:
-        apply_compile(model, compiled, layout.tp)
+        apply_compile(model, compiled, layout.tp, mesh.size())
     expose_all_local_parameters(model)
     apply_activation_checkpointing(model, checkpointing or ActivationCheckpointing())
     stages = build_stages(model, pipeline_plan, pp_rank) if pipeline_plan is not None else None
