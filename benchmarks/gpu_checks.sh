@@ -6,7 +6,7 @@
 #
 #   OUT=results/gpu STEP_TIMEOUT=300 bash benchmarks/gpu_checks.sh      # PACK=1: one .tgz of it all
 #
-# ONLY="gpu_tests compare_paths" runs just the named steps (a machine lent for 10-minute calls).
+# ONLY="gpu_tests_ops compare_paths" runs just the named steps (a machine lent for 10-minute calls).
 #
 # Needs a CUDA GPU and the project importable (installed, or on PYTHONPATH with moe_lc_kernels and
 # moe_lc_recipes); torchao for the fp8 step. `python -m moe_lc.cli` is `moe-lc`.
@@ -28,18 +28,21 @@ step() {
 }
 
 S=curriculum.stages.ctx8k
-step gpu_tests python -m pytest -q -rs -p no:cacheprovider tests/test_train_step.py tests/test_grouped_experts.py \
-    tests/test_attention_op.py tests/test_situ_glu.py tests/test_float8.py tests/test_short_conv.py tests/test_kernels_kda.py
-step bench_proxy_8k python -m moe_lc.cli bench proxy-8k $S.global_batch_tokens=131072 --steps 5 --warmup 3 --profile \
-    --json "$OUT/bench_proxy_8k.json"
-step bench_k3_small python -m moe_lc.cli bench proxy-8k model=k3-small $S.global_batch_tokens=65536 $S.micro_batch=1 \
-    --steps 3 --warmup 2 --profile --json "$OUT/bench_k3_small.json"
-step bench_k3_small_fp8 python -m moe_lc.cli bench proxy-8k model=k3-small precision=fp8 $S.global_batch_tokens=65536 \
-    $S.micro_batch=1 --steps 3 --warmup 2 --json "$OUT/bench_k3_small_fp8.json"
-step bench_proxy_8k_compile python -m moe_lc.cli bench proxy-8k $S.global_batch_tokens=131072 compile.enabled=true \
-    --steps 5 --warmup 3 --json "$OUT/bench_proxy_8k_compile.json"
-step bench_k3_small_fp8_compile python -m moe_lc.cli bench proxy-8k model=k3-small precision=fp8 compile.enabled=true \
-    $S.global_batch_tokens=65536 $S.micro_batch=1 --steps 3 --warmup 2 --json "$OUT/bench_k3_small_fp8_compile.json"
+# the GPU-capable tests in two parts that each fit a 10-minute call
+step gpu_tests_ops python -m pytest -q -rs -p no:cacheprovider tests/test_grouped_experts.py tests/test_attention_op.py \
+    tests/test_situ_glu.py tests/test_short_conv.py tests/test_kernels_kda.py
+step gpu_tests_train python -m pytest -q -rs -p no:cacheprovider tests/test_train_step.py tests/test_float8.py \
+    tests/test_compile.py tests/test_parallel_harness.py
+# compiled (the proxy recipes' `auto` on one GPU) and eager, same machine; warm-up covers the first
+# batch whose KDA documents split into segments (one more Triton compile, docs/performance.md 12.2.1)
+step bench_proxy_8k python -m moe_lc.cli bench proxy-8k $S.global_batch_tokens=131072 compile.enabled=true --steps 6 \
+    --warmup 5 --profile --json "$OUT/bench_proxy_8k.json"
+step bench_proxy_8k_eager python -m moe_lc.cli bench proxy-8k $S.global_batch_tokens=131072 compile.enabled=false \
+    --steps 5 --warmup 5 --json "$OUT/bench_proxy_8k_eager.json"
+step bench_k3_small python -m moe_lc.cli bench proxy-8k model=k3-small compile.enabled=true $S.global_batch_tokens=65536 \
+    $S.micro_batch=1 --steps 4 --warmup 2 --profile --json "$OUT/bench_k3_small.json"
+step bench_k3_small_fp8 python -m moe_lc.cli bench proxy-8k model=k3-small precision=fp8 compile.enabled=true \
+    $S.global_batch_tokens=65536 $S.micro_batch=1 --steps 4 --warmup 2 --json "$OUT/bench_k3_small_fp8.json"
 step bench_proxy_256k python -m moe_lc.cli bench proxy-256k curriculum.stages.ctx256k.global_batch_tokens=262144 \
     --steps 2 --warmup 1 --json "$OUT/bench_proxy_256k.json"
 step compare_paths python benchmarks/compare_paths.py --recipe proxy-8k --steps 20 $S.global_batch_tokens=16384 \

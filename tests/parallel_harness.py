@@ -29,6 +29,11 @@ from moe_lc.ops.documents import DocumentBounds
 
 # ----------------------------------------------------------------------------- spawning
 def _worker(fn: Callable, rank: int, world_size: int, store: str, out_dir: str, args: tuple) -> None:
+    # The ranks are gloo processes on the CPU. On a machine with a GPU, build_mesh's default device
+    # type and FSDP2 (which moves a module to its mesh's device) would put the model on the GPU, so
+    # a test compared a GPU run with its CPU reference (test_float8's FSDP parity failed on an
+    # H200 machine): the workers do not see the GPUs, before anything initialises CUDA.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     # full_tensor() of FSDP x TP parameters (test-only gathers) warns about two-step all-gathers

@@ -122,20 +122,27 @@ COMMANDS: dict[str, object] = {
     )},
     # docs/performance.md: the whole step
     **{c: NotRun("whole-step GPU measurements (a CPU step of these models takes minutes)", needs="GPU") for c in (
-        "moe-lc bench proxy-8k curriculum.stages.ctx8k.global_batch_tokens=131072 "
+        "moe-lc bench proxy-8k compile.enabled=false curriculum.stages.ctx8k.global_batch_tokens=131072 "
         "curriculum.stages.ctx8k.micro_batch=4 --steps 3 --warmup 3",
-        "moe-lc bench proxy-8k model=k3-small curriculum.stages.ctx8k.global_batch_tokens=65536 "
+        "moe-lc bench proxy-8k model=k3-small compile.enabled=false curriculum.stages.ctx8k.global_batch_tokens=65536 "
         "curriculum.stages.ctx8k.micro_batch=1 --steps 3 --warmup 2",
-        "moe-lc bench proxy-8k model=k3-small precision=fp8 curriculum.stages.ctx8k.global_batch_tokens=65536 "
-        "curriculum.stages.ctx8k.micro_batch=1 --steps 3 --warmup 2",
-        "moe-lc bench proxy-256k curriculum.stages.ctx256k.global_batch_tokens=262144 --steps 2 --warmup 1",
+        "moe-lc bench proxy-8k model=k3-small precision=fp8 compile.enabled=false "
+        "curriculum.stages.ctx8k.global_batch_tokens=65536 curriculum.stages.ctx8k.micro_batch=1 --steps 3 --warmup 2",
+        "moe-lc bench proxy-256k compile.enabled=false curriculum.stages.ctx256k.global_batch_tokens=262144 --steps 2 "
+        "--warmup 1",
         "moe-lc bench proxy-8k curriculum.stages.ctx8k.global_batch_tokens=131072 compile.enabled=true --steps 3 "
         "--warmup 3",
         "moe-lc bench proxy-8k model=k3-small precision=fp8 compile.enabled=true "
         "curriculum.stages.ctx8k.global_batch_tokens=65536 curriculum.stages.ctx8k.micro_batch=1 --steps 3 --warmup 2",
+        "moe-lc bench proxy-8k curriculum.stages.ctx8k.global_batch_tokens=131072 compile.enabled=true --steps 6 "
+        "--warmup 5",
+        "moe-lc bench proxy-8k curriculum.stages.ctx8k.global_batch_tokens=131072 compile.enabled=false --steps 5 "
+        "--warmup 3",
+        "moe-lc bench proxy-8k model=k3-small compile.enabled=true curriculum.stages.ctx8k.global_batch_tokens=65536 "
+        "curriculum.stages.ctx8k.micro_batch=1 --steps 4 --warmup 2",
         "python benchmarks/bench_memory.py --recipe proxy-8k --seq-lens 8192,65536 --policies none,selective,full",
         "python benchmarks/compare_paths.py --recipe proxy-8k --steps 20 "
-        "curriculum.stages.ctx8k.global_batch_tokens=32768 curriculum.stages.ctx8k.micro_batch=1",
+        "curriculum.stages.ctx8k.global_batch_tokens=16384 curriculum.stages.ctx8k.micro_batch=1",
         "OUT=results/gpu STEP_TIMEOUT=300 bash benchmarks/gpu_checks.sh",
     )},
     # launch/ comments

@@ -1,4 +1,5 @@
-"""The multi-process harness itself: a failing rank is reported as the cause, not its peers."""
+"""The multi-process harness itself: a failing rank is reported as the cause, not its peers, and the
+gloo ranks run on the CPU."""
 
 from __future__ import annotations
 
@@ -22,3 +23,15 @@ def test_the_failing_rank_is_reported_first():
     report = str(err.value)
     assert report.startswith("rank 1 failed"), report[:2000]
     assert "rank one broke on purpose" in report
+
+
+def _default_device() -> str:
+    from moe_lc.parallel.mesh import default_device_type
+
+    return default_device_type()
+
+
+@pytest.mark.timeout(120)
+def test_the_ranks_run_on_the_cpu_even_where_a_gpu_is_present():
+    # what the parity tests compare against is a CPU run; meshes default to CUDA where it is visible
+    assert run_distributed(_default_device, 2, timeout=60) == ["cpu", "cpu"]
