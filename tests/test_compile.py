@@ -20,7 +20,8 @@ from configs import tiny
 
 from moe_lc.config import ConfigError
 from moe_lc.model.init import build_model
-from moe_lc.parallel.compile import RECOMPILE_LIMIT, RegionalCompile, apply_compile, compile_targets
+from moe_lc.parallel.compile import (RECOMPILE_LIMIT, RegionalCompile, apply_compile, compile_targets,
+                                     compiled_modules)
 from moe_lc.train.main import run_train_cli
 
 EPS32 = torch.finfo(torch.float32).eps
@@ -90,8 +91,10 @@ def test_auto_compiles_one_process_on_a_cuda_gpu_only():
 def test_compiling_lifts_dynamos_recompile_limit(monkeypatch):
     # every norm shares RMSNorm.forward: past Dynamo's default of 8 variants the rest ran eager (fp8, H200)
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    apply_compile(build_model(tiny(), device="cpu", seed=0), RegionalCompile(enabled=True))
+    model = build_model(tiny(), device="cpu", seed=0)
+    names = apply_compile(model, RegionalCompile(enabled=True))
     assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT > 8
+    assert compiled_modules(model) == names and names  # what bench reports
 
 
 def test_bad_compile_settings_are_one_line(capsys, tmp_path):

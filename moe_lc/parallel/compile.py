@@ -127,3 +127,8 @@ def apply_compile(model: nn.Module, policy: RegionalCompile, tp: int = 1, world_
     for name in names:
         model.get_submodule(name).compile()
     return names
+
+
+def compiled_modules(model: nn.Module) -> list[str]:
+    """Paths of the modules of ``model`` that ``apply_compile`` compiled (what a run reports)."""
+    return [name for name, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]

@@ -42,6 +42,7 @@ from moe_lc.metrics import (
 )
 from moe_lc.metrics.breakdown import breakdown, component_ranges, idle_share
 from moe_lc.model.accounting import training_flops_per_token
+from moe_lc.parallel.compile import compiled_modules
 from moe_lc.train.config import TrainConfig
 from moe_lc.train.curriculum import StagePlan, plan_curriculum, total_steps
 from moe_lc.train.data import build_stage_data
@@ -122,6 +123,11 @@ def run_bench(
         runtime.shutdown()
 
 
+def _compiled_note(model: torch.nn.Module) -> str:
+    count = len(compiled_modules(model))
+    return f", {count} modules compiled" if count else ""
+
+
 def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled: bool) -> BenchResult:
     device = runtime.device
     torch.manual_seed(cfg.seed)
@@ -156,7 +162,8 @@ def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled
                                    0, total_steps(plans), cfg.optim, runtime)
         with contextlib.closing(profiled_steps):
             profile_result = _profile(profiled_steps, state.model, device, show, small.grad_accum)
-    return _result(cfg, plan, runtime, timed, wall, warmup, matmul_peak, profile_result)
+    result = _result(cfg, plan, runtime, timed, wall, warmup, matmul_peak, profile_result)
+    return replace(result, precision=result.precision + _compiled_note(state.model))
 
 
 def _progress(on: bool):

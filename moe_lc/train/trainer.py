@@ -383,6 +383,8 @@ class Trainer:
         rep = count_parameters(cfg.model)
         start = f"resuming at step {position.step}" if self.start.resume else f"fresh start (seed {cfg.seed})"
         dtype = rt.precision_label
+        if cfg.compile.resolve(rt.device.type, rt.world_size, cfg.layout.tp).enabled:
+            dtype += ", regional torch.compile"
         return (
             f"moe-lc train: recipe {cfg.recipe}, model {cfg.model.name} ({rep.total:,} params, "
             f"{rep.active:,} active), {len(self.plans)} stages / {self.total} steps, device {rt.device} x "
