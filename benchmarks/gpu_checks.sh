@@ -40,7 +40,7 @@ step bench_proxy_8k python -m moe_lc.cli bench proxy-8k $S.global_batch_tokens=1
 step bench_proxy_8k_eager python -m moe_lc.cli bench proxy-8k $S.global_batch_tokens=131072 compile.enabled=false \
     --steps 5 --warmup 5 --json "$OUT/bench_proxy_8k_eager.json"
 step bench_k3_small python -m moe_lc.cli bench proxy-8k model=k3-small compile.enabled=true $S.global_batch_tokens=65536 \
-    $S.micro_batch=1 --steps 4 --warmup 2 --profile --json "$OUT/bench_k3_small.json"
+    $S.micro_batch=1 --steps 4 --warmup 2 --trace "$OUT/trace_k3_small" --json "$OUT/bench_k3_small.json"
 step bench_k3_small_fp8 python -m moe_lc.cli bench proxy-8k model=k3-small precision=fp8 compile.enabled=true \
     $S.global_batch_tokens=65536 $S.micro_batch=1 --steps 4 --warmup 2 --json "$OUT/bench_k3_small_fp8.json"
 step bench_proxy_256k python -m moe_lc.cli bench proxy-256k curriculum.stages.ctx256k.global_batch_tokens=262144 \

@@ -21,8 +21,9 @@ SMALL = ["curriculum.stages.ctx256.global_batch_tokens=1024", "curriculum.stages
 def test_bench_of_the_smoke_recipe_times_and_profiles_its_first_stage(tmp_path, capsys):
     out = tmp_path / "bench.json"
     run_dir = tmp_path / "run"
-    args = ["recipe=smoke", *SMALL, f"run_dir={run_dir}", "--steps", "2", "--warmup", "1", "--profile",
-            "--json", str(out)]
+    trace = tmp_path / "trace"
+    args = ["recipe=smoke", *SMALL, f"run_dir={run_dir}", "--steps", "2", "--warmup", "1", "--trace", str(trace),
+            "--json", str(out)]  # --trace profiles too
     assert run_bench_cli(args) == 0
     printed = capsys.readouterr().out
     r = json.loads(out.read_text())
@@ -42,6 +43,9 @@ def test_bench_of_the_smoke_recipe_times_and_profiles_its_first_stage(tmp_path, 
     for component in ("kda", "mla", "router_dispatch", "experts", "shared_experts", "loss", "optimizer", "data"):
         assert profiled["components_ms"].get(component, 0.0) > 0.0, (component, profiled["components_ms"])
     assert 0.0 <= profiled["device_idle_share"] < 1.0
+    events = json.loads((trace / "rank0_trace.json").read_text())["traceEvents"]
+    assert any(e.get("name", "").startswith("aten::mm") for e in events)
+    assert "aten::" in (trace / "rank0_ops.txt").read_text()
     for line in ("tokens/s", "MFU", "measured matmul peak", "peak memory", "breakdown", "experts"):
         assert line in printed, line
 

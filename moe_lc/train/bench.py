@@ -102,16 +102,17 @@ class BenchResult:
 
 def run_bench(
     cfg: TrainConfig, steps: int = 10, warmup: int = 2, profiled: bool = False, json_path: Optional[str] = None,
-    stream: Optional[TextIO] = None,
+    stream: Optional[TextIO] = None, trace_dir: Optional[str] = None,
 ) -> BenchResult:
     """Bench the first stage of `cfg` that would run (set `cfg.curriculum.run` to pick another); rank 0
-    prints the report to `stream` (stdout) and writes it as JSON to `json_path`."""
+    prints the report to `stream` (stdout) and writes it as JSON to `json_path`; with ``profiled``,
+    every rank writes its profiled step's trace and ops table into ``trace_dir`` when given."""
     if steps < 1 or warmup < 0:
         raise ConfigError(f"--steps {steps} --warmup {warmup}: time one step or more (--steps N >= 1) after zero "
                           "or more warm-up steps (--warmup W >= 0)")
     runtime = init_runtime(cfg.device, cfg.precision, cfg.threads)
     try:
-        result = _bench(cfg, runtime, steps, warmup, profiled)
+        result = _bench(cfg, runtime, steps, warmup, profiled, trace_dir)
         if runtime.is_main:
             print(format_bench(result), file=stream or sys.stdout)
             if json_path:
@@ -128,7 +129,8 @@ def _compiled_note(model: torch.nn.Module) -> str:
     return f", {count} modules compiled" if count else ""
 
 
-def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled: bool) -> BenchResult:
+def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled: bool,
+           trace_dir: Optional[str] = None) -> BenchResult:
     device = runtime.device
     torch.manual_seed(cfg.seed)
     plans = plan_curriculum(cfg, runtime.world_size)
@@ -161,7 +163,8 @@ def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled
         profiled_steps = run_steps(state, small_data, range(first, first + PROFILER_WARMUP_STEPS + PROFILED_STEPS),
                                    0, total_steps(plans), cfg.optim, runtime)
         with contextlib.closing(profiled_steps):
-            profile_result = _profile(profiled_steps, state.model, device, show, small.grad_accum)
+            profile_result = _profile(profiled_steps, state.model, device, show, small.grad_accum,
+                                      _trace_prefix(trace_dir, runtime))
     result = _result(cfg, plan, runtime, timed, wall, warmup, matmul_peak, profile_result)
     return replace(result, precision=result.precision + _compiled_note(state.model))
 
@@ -183,7 +186,24 @@ def profiling_plan(plan: StagePlan) -> StagePlan:
     return replace(plan, global_batch_tokens=plan.micro_batch * plan.seq_len * plan.layout.dp)
 
 
-def _profile(taken_steps, model: torch.nn.Module, device: torch.device, show, micro_batches: int) -> Profiled:
+def _trace_prefix(trace_dir: Optional[str], runtime: Runtime) -> Optional[Path]:
+    if trace_dir is None:
+        return None
+    Path(trace_dir).mkdir(parents=True, exist_ok=True)
+    return Path(trace_dir) / f"rank{runtime.rank}"
+
+
+def _write_trace(prof: profile, prefix: Path, on_gpu: bool) -> None:
+    """The profiled step as a Chrome trace (chrome://tracing, Perfetto) and its ops by self time:
+    what the component breakdown sums, op by op and kernel by kernel."""
+    prof.export_chrome_trace(f"{prefix}_trace.json")
+    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=80)
+    Path(f"{prefix}_ops.txt").write_text(table + "\n")
+
+
+def _profile(taken_steps, model: torch.nn.Module, device: torch.device, show, micro_batches: int,
+             trace_prefix: Optional[Path] = None) -> Profiled:
     on_gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     plan = schedule(wait=0, warmup=PROFILER_WARMUP_STEPS, active=PROFILED_STEPS, repeat=1)
@@ -195,6 +215,8 @@ def _profile(taken_steps, model: torch.nn.Module, device: torch.device, show, mi
             if k >= PROFILER_WARMUP_STEPS:
                 times.append(taken.time_s)
             prof.step()
+    if trace_prefix is not None:
+        _write_trace(prof, trace_prefix, on_gpu)
     events = prof.events()
     per_step = {name: ms / PROFILED_STEPS for name, ms in breakdown(events, device=on_gpu).items()}
     return Profiled(PROFILED_STEPS, micro_batches, sum(times) / len(times), per_step,

@@ -122,14 +122,15 @@ def run_plan_cli(recipe: str, overrides: Sequence[str] = (), cluster: Optional["
 
 
 BENCH_USAGE = """usage: moe-lc bench [RECIPE | recipe=NAME] [key=value ...] [--stage NAME] [--steps N] [--warmup W]
-                    [--json PATH] [--profile]
+                    [--json PATH] [--profile] [--trace DIR]
 
 Builds a stage of the recipe as `moe-lc train` would (the first stage it would run, or --stage)
 for the devices present (one process, or every rank under torchrun), runs W warm-up and N timed
 steps on its data and prints tokens/s, TFLOP/s and MFU per device (against the datasheet peak
 and a matmul peak measured here), peak memory and the mean step time; --profile adds the time
-per model component and the device's idle share from one profiled step. Writes nothing into
-run_dir and never resumes or saves a run."""
+per model component and the device's idle share from one profiled step; --trace DIR (implies
+--profile) also writes that step's Chrome trace and its ops by self time into DIR. Writes nothing
+into run_dir and never resumes or saves a run."""
 
 
 def run_bench_cli(argv: Sequence[str]) -> int:
@@ -147,6 +148,8 @@ def run_bench_cli(argv: Sequence[str]) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps before them (default 2)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every number to PATH as JSON")
     parser.add_argument("--profile", action="store_true", help="profile one more step: time per component")
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="with the profiled step, write its Chrome trace and an ops table into DIR")
     opts = parser.parse_intermixed_args(list(argv))
     named = [a for a in opts.args if "=" not in a and not a.startswith(("+", "~"))]
     if len(named) > 1:
@@ -163,7 +166,7 @@ def run_bench_cli(argv: Sequence[str]) -> int:
                 raise ConfigError(f"--stage {opts.stage}: recipe {recipe} has stages "
                                   f"{', '.join(cfg.curriculum.stages)}")
             cfg.curriculum.run = [opts.stage]
-        run_bench(cfg, opts.steps, opts.warmup, opts.profile, opts.json)
+        run_bench(cfg, opts.steps, opts.warmup, opts.profile or opts.trace is not None, opts.json, trace_dir=opts.trace)
 
     return _exit_code(bench)
 
