@@ -20,6 +20,7 @@ from configs import tiny
 
 from moe_lc.config import ConfigError
 from moe_lc.model.init import build_model
+from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
 from moe_lc.parallel.compile import (RECOMPILE_LIMIT, RegionalCompile, apply_compile, compile_targets,
                                      compiled_modules)
 from moe_lc.train.main import run_train_cli
@@ -46,11 +47,15 @@ def test_the_targets_are_every_norm_and_every_depth_mixer():
 
 
 @needs_cxx
-def test_a_compiled_model_computes_what_the_eager_one_does():
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_a_compiled_model_computes_what_the_eager_one_does(checkpointing):
+    # full: the compiled norms and mixers run again inside the recomputed layers (the 256K stage's policy)
     torch._dynamo.reset()
     cfg = tiny(num_layers=3, layer_pattern="KKM")
     eager, compiled = build_model(cfg, device="cpu", seed=0), build_model(cfg, device="cpu", seed=0)
     names = apply_compile(compiled, RegionalCompile(enabled=True, targets=["norms", "attn_res"]))
+    for model in (eager, compiled):
+        apply_activation_checkpointing(model, ActivationCheckpointing(mode=checkpointing))
     assert names and all(compiled.get_submodule(n)._compiled_call_impl is not None for n in names)
     ids = torch.randint(0, cfg.vocab_size, (2, 65), generator=torch.Generator().manual_seed(1))
     torch._dynamo.utils.counters.clear()
