@@ -3,10 +3,12 @@
 Trains the recipe's first stage twice from the same seed on the same batches, on one GPU:
 
 - fast: every op on its "auto" backend (grouped expert GEMMs, fused SiTU, the KDA and short-conv
-  Triton kernels, varlen attention over the packed documents);
+  Triton kernels, varlen attention over the packed documents), compiled as the recipe's
+  ``compile:`` says (the proxy recipes' ``auto``: compiled on one GPU; ``compile.enabled=false``
+  compares the eager fast path);
 - plain: every op on its PyTorch reference ("torch": the per-expert loop, SiTU in PyTorch, the
   chunked KDA in PyTorch, one SDPA per document, with cuDNN's SDPA off so that new document
-  lengths do not each build a plan).
+  lengths do not each build a plan), never compiled.
 
 and prints the two loss curves and their relative difference per step. Both run in bf16 under
 autocast, so they differ by bf16 rounding in different places; the check is that the difference
@@ -69,7 +71,8 @@ def train(cfg, runtime, steps: int, plain: bool) -> tuple[list[float], float]:
     model_cfg = copy.deepcopy(cfg.model)
     if plain:
         model_cfg.kda.backend = "torch"  # the chunked KDA and the short convolutions in PyTorch
-    state = build_model_state(model_cfg, cfg.optim, plan.layout, runtime, cfg.seed, plan.checkpointing, plan.seq_len)
+    state = build_model_state(model_cfg, cfg.optim, plan.layout, runtime, cfg.seed, plan.checkpointing, plan.seq_len,
+                              compiled=None if plain else cfg.compile)
     if plain:
         use_reference_ops(state.model)
     data = build_stage_data(plan, cfg.data, cfg.model.vocab_size, cfg.seed, sync=runtime.rank0_first)
