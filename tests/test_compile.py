@@ -56,7 +56,7 @@ def test_a_compiled_model_computes_what_the_eager_one_does(checkpointing):
     names = apply_compile(compiled, RegionalCompile(enabled=True, targets=["norms", "attn_res"]))
     for model in (eager, compiled):
         apply_activation_checkpointing(model, ActivationCheckpointing(mode=checkpointing))
-    assert names and all(compiled.get_submodule(n)._compiled_call_impl is not None for n in names)
+    assert names and compiled_modules(compiled) == names
     ids = torch.randint(0, cfg.vocab_size, (2, 65), generator=torch.Generator().manual_seed(1))
     torch._dynamo.utils.counters.clear()
     results = []
@@ -76,7 +76,7 @@ def test_a_compiled_model_computes_what_the_eager_one_does(checkpointing):
 def test_off_compiles_nothing_and_tensor_parallel_is_refused():
     model = build_model(tiny(), device="cpu", seed=0)
     assert apply_compile(model, RegionalCompile()) == []
-    assert all(getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
+    assert compiled_modules(model) == []
     with pytest.raises(ConfigError, match="layout.tp=2"):
         apply_compile(model, RegionalCompile(enabled=True), tp=2)
 
@@ -90,7 +90,7 @@ def test_auto_compiles_one_process_on_a_cuda_gpu_only():
     auto.check(tp=2)  # auto with tp > 1 is off, not an error
     model = build_model(tiny(), device="cpu", seed=0)
     assert apply_compile(model, auto) == []
-    assert all(getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
+    assert compiled_modules(model) == []
 
 
 def test_compiling_lifts_dynamos_recompile_limit(monkeypatch):
