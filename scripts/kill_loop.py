@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 TRAIN = [
+    "device=cpu",  # the gloo CPU check also on a machine with GPUs
     "layout=dp2",
     "curriculum.run=[ctx256]",
     "curriculum.stages.ctx256.global_batch_tokens=512",

@@ -9,6 +9,7 @@ its traceback; a timeout kills the workers this call started.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -29,11 +30,6 @@ from moe_lc.ops.documents import DocumentBounds
 
 # ----------------------------------------------------------------------------- spawning
 def _worker(fn: Callable, rank: int, world_size: int, store: str, out_dir: str, args: tuple) -> None:
-    # The ranks are gloo processes on the CPU. On a machine with a GPU, build_mesh's default device
-    # type and FSDP2 (which moves a module to its mesh's device) would put the model on the GPU, so
-    # a test compared a GPU run with its CPU reference (test_float8's FSDP parity failed on an
-    # H200 machine): the workers do not see the GPUs, before anything initialises CUDA.
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     # full_tensor() of FSDP x TP parameters (test-only gathers) warns about two-step all-gathers
@@ -73,6 +69,25 @@ def _failure_report(out_dir: str, world_size: int, results: dict[int, dict], fir
     return "\n".join(f"rank {r} failed{' first' if r == first else ''}:\n{errors[r]}" for r in order)
 
 
+@contextlib.contextmanager
+def _without_gpus():
+    """Spawned workers inherit an environment that hides the GPUs. The ranks are gloo processes on
+    the CPU; on a machine with a GPU, build_mesh's default device type and FSDP2 (which moves a
+    module to its mesh's device) would put the model on the GPU, and a test would compare a GPU
+    run with its CPU reference (test_float8's FSDP parity failed so on an H200 machine). Setting
+    it inside the worker is too late: unpickling the test's function imports modules (torchao)
+    that ask CUDA for its devices at import time, and CUDA keeps the first answer."""
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 100.0) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` gloo ranks; returns the per-rank return values."""
     ctx = mp.get_context("spawn")
@@ -82,8 +97,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             ctx.Process(target=_worker, args=(fn, r, world_size, store, tmp, args), daemon=True)
             for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
+        with _without_gpus():
+            for p in procs:
+                p.start()
         deadline = time.monotonic() + timeout
         results: dict[int, dict] = {}
         failed = None

@@ -5,6 +5,7 @@ touched; a bad stage name is one line and exit code 2."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -15,7 +16,7 @@ from moe_lc.train.main import run_bench_cli
 
 pytestmark = pytest.mark.usefixtures("shared_corpus_cache")
 
-SMALL = ["curriculum.stages.ctx256.global_batch_tokens=1024", "curriculum.stages.ctx256.micro_batch=2", "threads=1"]
+SMALL = ["device=cpu", "curriculum.stages.ctx256.global_batch_tokens=1024", "curriculum.stages.ctx256.micro_batch=2", "threads=1"]
 
 
 def test_bench_of_the_smoke_recipe_times_and_profiles_its_first_stage(tmp_path, capsys):
@@ -46,6 +47,8 @@ def test_bench_of_the_smoke_recipe_times_and_profiles_its_first_stage(tmp_path, 
     events = json.loads((trace / "rank0_trace.json").read_text())["traceEvents"]
     assert any(e.get("name", "").startswith("aten::mm") for e in events)
     assert "aten::" in (trace / "rank0_ops.txt").read_text()
+    shapes = (trace / "rank0_shapes.txt").read_text()  # the same ops by their input shapes
+    assert "Input Shapes" in shapes and re.search(r"aten::mm .*\[\[\d+, \d+\], \[\d+, \d+\]\]", shapes), shapes[:3000]
     for line in ("tokens/s", "MFU", "measured matmul peak", "peak memory", "breakdown", "experts"):
         assert line in printed, line
 

@@ -34,7 +34,7 @@ ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
 ONE_STEP = "max_steps=1 eval.sequences=0 eval.passkey_documents=0 report.at_end=false logging.tensorboard=false " \
            "logging.progress=none threads=1"
 SMOKE = f"curriculum.stages.ctx256.global_batch_tokens=512 curriculum.stages.ctx256.micro_batch=2 {ONE_STEP}"
-SMOKE_DP2 = f"curriculum.stages.ctx256.global_batch_tokens=512 curriculum.stages.ctx256.micro_batch=1 {ONE_STEP}"
+SMOKE_DP2 = f"device=cpu curriculum.stages.ctx256.global_batch_tokens=512 curriculum.stages.ctx256.micro_batch=1 {ONE_STEP}"
 PROXY = ("model=tiny curriculum.stages.ctx8k.seq_len=256 curriculum.stages.ctx8k.global_batch_tokens=1024 "
          f"data.synthetic_documents=8 {ONE_STEP}")
 PROXY_BENCH = ("model=tiny curriculum.stages.ctx8k.seq_len=256 curriculum.stages.ctx8k.global_batch_tokens=1024 "

@@ -4,13 +4,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from moe_lc.metrics.breakdown import OTHER, breakdown, component_ranges, region
+from moe_lc.model.attn_res import DepthMixer
 from moe_lc.model.init import build_model
 from moe_lc.presets import get_preset
 
 
-def _profiled_step():
+def _profiled_step(model=None):
     cfg = get_preset("tiny")
-    model = build_model(cfg, device=torch.device("cpu"), seed=0, dtype=torch.float32)
+    model = model or build_model(cfg, device=torch.device("cpu"), seed=0, dtype=torch.float32)
     ids = torch.randint(0, cfg.vocab_size, (2, 64))
     with profile(activities=[ProfilerActivity.CPU]) as prof, component_ranges(model):
         out = model(ids, labels=ids, return_logits=False)
@@ -45,3 +46,19 @@ def test_backward_nodes_are_charged_to_their_forward_component():
     mm_time = sum(e.self_cpu_time_total for e in backward_mm) / 1e3
     assert parts["kda"] >= mm_time  # the backward matmuls are the forward's component's, not OTHER's
     assert parts.get(OTHER, 0.0) < parts["kda"]
+
+
+def test_compiled_modules_keep_their_ranges():
+    """Regional compilation compiles the AttnRes mixers with their hooks: a range opened inside a
+    compiled call would be dropped (and each module's hook compiled anew, up to Dynamo's limit)."""
+    torch._dynamo.reset()
+    model = build_model(get_preset("tiny"), device=torch.device("cpu"), seed=0, dtype=torch.float32)
+    mixers = [m for m in model.modules() if isinstance(m, DepthMixer)]
+    for mixer in mixers:
+        mixer.compile(backend="eager")  # Dynamo's tracing without Inductor's code generation
+    _profiled_step(model)  # the compiles
+    events = _profiled_step(model)
+    ranges = [e for e in events if e.name == "moe_lc::attn_res"]
+    assert len(ranges) == len(mixers), (len(ranges), len(mixers))
+    assert breakdown(events, device=False).get("attn_res", 0.0) > 0.0
+    torch._dynamo.reset()

@@ -205,6 +205,22 @@ def test_an_absurd_learning_rate_is_one_line(tmp_path, capsys):
     assert err.startswith("error: optim.lr=1e+38: the optimizer update of step 1 overflows float32")
 
 
+@pytest.mark.usefixtures("shared_corpus_cache")
+def test_an_absurd_learning_rate_is_one_line_where_the_optimizer_does_not_raise(tmp_path, capsys, monkeypatch):
+    """CUDA's fused AdamW computes its step size on the device and writes inf weights without an
+    error (CPU AdamW raises): the trainer checks the step size itself, before the update."""
+    def silent_step(optimizer, finite):
+        raise AssertionError("the update ran with a step size beyond float32")
+
+    monkeypatch.setattr(step_module, "step_if_finite", silent_step)
+    assert run_train_cli([*FOUR_STEPS, f"run_dir={tmp_path}", "optim.lr=1e38"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: optim.lr=1e+38: the optimizer update of step 1 overflows float32"), err
+    # the bound itself: lr / (1 - beta1^t) against float32's largest value, t = step + 1
+    assert step_module.adam_step_overflows(3.5e37, 0.9, 0) and not step_module.adam_step_overflows(3.3e37, 0.9, 0)
+    assert not step_module.adam_step_overflows(3.3e38, 0.9, 200) and step_module.adam_step_overflows(3.5e38, 0.9, 200)
+
+
 def test_a_spike_is_a_loss_above_mean_plus_k_std_of_a_full_window():
     spikes = SpikeDetector(window=3, sigmas=2.0)
     assert [spikes.observe(s, v) for s, v in enumerate([5.0, 4.0, 100.0])] == [None] * 3  # window not full yet

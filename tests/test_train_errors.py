@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed
 
 from moe_lc.report import load_run
@@ -70,6 +71,23 @@ def test_a_bad_layout_stops_before_any_process_group_or_file(capsys, tmp_path, m
     monkeypatch.setattr(torch.distributed, "init_process_group", refuse)
     err = _fails(capsys, *ONE_STEP, f"run_dir={tmp_path / 'run'}", override)
     assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_more_processes_than_gpus_on_a_node_is_one_line(capsys, tmp_path, monkeypatch):
+    """torchrun --nproc-per-node 2 on a one-GPU machine: both ranks would take cuda:0, and NCCL
+    would stop at the first collective ("Duplicate GPU detected"); the trainer says so first."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process group was started on a GPU that another rank holds")
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", refuse)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name, value in dict(WORLD_SIZE=2, RANK=1, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2).items():
+        monkeypatch.setenv(name, str(value))
+    err = _fails(capsys, *ONE_STEP, f"run_dir={tmp_path / 'run'}", "layout=dp2")
+    assert err.strip() == ("error: 2 processes on this node but 1 GPU is visible: launch at most 1 per node "
+                           "(torchrun --nproc-per-node 1, NPROC=1 for launch/), or device=cpu"), err
     assert not (tmp_path / "run").exists()
 
 

@@ -37,7 +37,7 @@ from moe_lc.train.main import run_train_cli
 sys.exit(run_train_cli(sys.argv[1:]))
 """
 TRAIN = [
-    "layout=dp2", "curriculum.run=[ctx256]", "curriculum.stages.ctx256.steps=500",
+    "device=cpu", "layout=dp2", "curriculum.run=[ctx256]", "curriculum.stages.ctx256.steps=500",
     "curriculum.stages.ctx256.global_batch_tokens=512", "curriculum.stages.ctx256.micro_batch=1",
     "eval.sequences=0", "eval.passkey_documents=0", "logging.progress=none", "logging.tensorboard=false",
     "report.at_end=false", "threads=1", f"distributed.collective_timeout_s={TIMEOUT_S}",

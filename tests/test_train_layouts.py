@@ -133,7 +133,7 @@ def test_data_parallel_then_context_parallel_at_a_stage_boundary(tmp_path, cache
     assert _losses(run, "keys_per_token") == pytest.approx(_losses(single, "keys_per_token"), rel=1e-12)
 
 
-PROXY_8K_TINY = ["model=tiny", "curriculum.stages.ctx8k.seq_len=256", "curriculum.stages.ctx8k.global_batch_tokens=1024",
+PROXY_8K_TINY = ["device=cpu", "model=tiny", "curriculum.stages.ctx8k.seq_len=256", "curriculum.stages.ctx8k.global_batch_tokens=1024",
                  "curriculum.stages.ctx8k.micro_batch=1",
                  "data.synthetic_documents=8", "threads=1", "--steps", "1", "--warmup", "0"]
 

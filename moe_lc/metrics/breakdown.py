@@ -73,7 +73,11 @@ def component_ranges(model: nn.Module) -> Iterator[None]:
     handles = []
     open_ranges: dict[int, list[Any]] = defaultdict(list)
 
+    # The hooks of a compiled module run inside its compiled call: traced, a range is dropped and
+    # every depth of ``open_ranges`` is a new guard (Dynamo recompiled up to its limit in the profiled
+    # step). Left out of the graph, each is one break before and one after the module's forward.
     def enter(name: str, key: int):
+        @torch.compiler.disable
         def hook(module: nn.Module, args: Any) -> None:
             r = record_function(PREFIX + name)
             r.__enter__()
@@ -81,6 +85,7 @@ def component_ranges(model: nn.Module) -> Iterator[None]:
         return hook
 
     def leave(key: int):
+        @torch.compiler.disable
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             open_ranges[key].pop().__exit__(None, None, None)
         return hook

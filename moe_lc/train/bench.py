@@ -195,11 +195,15 @@ def _trace_prefix(trace_dir: Optional[str], runtime: Runtime) -> Optional[Path]:
 
 def _write_trace(prof: profile, prefix: Path, on_gpu: bool) -> None:
     """The profiled step as a Chrome trace (chrome://tracing, Perfetto) and its ops by self time:
-    what the component breakdown sums, op by op and kernel by kernel."""
+    what the component breakdown sums, op by op and kernel by kernel; and the ops by input shapes
+    too, which says which tensors the copies and elementwise kernels move (weights or activations)."""
     prof.export_chrome_trace(f"{prefix}_trace.json")
     key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=80)
     Path(f"{prefix}_ops.txt").write_text(table + "\n")
+    shapes = prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=80, max_name_column_width=60,
+                                                                 max_shapes_column_width=100)
+    Path(f"{prefix}_shapes.txt").write_text(shapes + "\n")
 
 
 def _profile(taken_steps, model: torch.nn.Module, device: torch.device, show, micro_batches: int,
@@ -208,7 +212,8 @@ def _profile(taken_steps, model: torch.nn.Module, device: torch.device, show, mi
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     plan = schedule(wait=0, warmup=PROFILER_WARMUP_STEPS, active=PROFILED_STEPS, repeat=1)
     times = []
-    with profile(activities=activities, schedule=plan) as prof, component_ranges(model):
+    with profile(activities=activities, schedule=plan, record_shapes=trace_prefix is not None) as prof, \
+            component_ranges(model):
         for k in range(PROFILER_WARMUP_STEPS + PROFILED_STEPS):
             taken: TakenStep = next(taken_steps)
             show("profiled", k, PROFILER_WARMUP_STEPS + PROFILED_STEPS, taken)

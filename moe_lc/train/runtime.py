@@ -85,14 +85,20 @@ def _env_int(name: str, default: int) -> int:
         raise ConfigError(f"environment variable {name}={os.environ[name]!r} is not an integer") from err
 
 
-def pick_device(requested: str, local_rank: int) -> torch.device:
+def pick_device(requested: str, local_rank: int, local_world_size: int = 1) -> torch.device:
+    """The device of this process: one GPU per process of the node (``LOCAL_RANK``), as NCCL needs."""
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ConfigError("device=cuda but no CUDA device is visible; use device=auto or device=cpu")
         if requested == "cuda":
-            return torch.device("cuda", local_rank % torch.cuda.device_count())
+            gpus, procs = torch.cuda.device_count(), max(local_world_size, local_rank + 1)
+            if procs > gpus:  # two ranks on one GPU: NCCL stops at its first collective
+                raise ConfigError(f"{procs} processes on this node but {gpus} GPU"
+                                  f"{'s are' if gpus > 1 else ' is'} visible: launch at most {gpus} per node "
+                                  f"(torchrun --nproc-per-node {gpus}, NPROC={gpus} for launch/), or device=cpu")
+            return torch.device("cuda", local_rank)
         return torch.device(requested)
     if requested != "cpu":
         raise ConfigError(f"device={requested!r}: use auto, cpu or cuda")
@@ -148,7 +154,7 @@ def init_runtime(
     local_rank = _env_int("LOCAL_RANK", 0)
     if threads is not None:
         torch.set_num_threads(threads)
-    dev = pick_device(device, local_rank)
+    dev = pick_device(device, local_rank, _env_int("LOCAL_WORLD_SIZE", 1))
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     dtype = compute_dtype(precision, dev)  # before the process group: a precision this device lacks fails here

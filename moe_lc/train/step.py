@@ -166,6 +166,16 @@ def _shared_over_ranks(stop: bool, own_s: float, runtime: Runtime) -> torch.Tens
     return t
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def adam_step_overflows(lr: float, beta1: float, step: int) -> bool:
+    """Whether AdamW's step size lr / (1 - beta1^t) of 0-based step ``step`` exceeds float32. Checked
+    on the host before the update: CPU AdamW raises on it, but CUDA's fused AdamW computes it on the
+    device and writes inf weights without a word, so the run would fail a step later and vaguer."""
+    return lr / (1.0 - beta1 ** (step + 1)) > FLOAT32_MAX
+
+
 def lr_overflow_message(optim_cfg: OptimConfig, lr: float, step: int) -> str:
     return (f"optim.lr={optim_cfg.lr:g}: the optimizer update of step {step + 1} overflows float32 (its step "
             f"size lr / (1 - beta1^t) at lr {lr:.3g} exceeds 3.4e38); use a learning rate of order 1e-3")
@@ -214,6 +224,8 @@ def train_step(
         grad_norm = state.clip_grad_norm(optim_cfg.grad_clip)
         finite = _on_every_rank(torch.isfinite(grad_norm.to(device)) & torch.isfinite(sums).all(), runtime)
         lr = apply_lr(optimizer, step, total_steps, optim_cfg)
+        if adam_step_overflows(lr, optim_cfg.betas[0], step):
+            raise ConfigError(lr_overflow_message(optim_cfg, lr, step))
         update.start()
         try:
             step_if_finite(optimizer, finite)
