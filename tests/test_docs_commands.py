@@ -35,6 +35,9 @@ ONE_STEP = "max_steps=1 eval.sequences=0 eval.passkey_documents=0 report.at_end=
            "logging.progress=none threads=1"
 SMOKE = f"curriculum.stages.ctx256.global_batch_tokens=512 curriculum.stages.ctx256.micro_batch=2 {ONE_STEP}"
 SMOKE_DP2 = f"device=cpu curriculum.stages.ctx256.global_batch_tokens=512 curriculum.stages.ctx256.micro_batch=1 {ONE_STEP}"
+SMOKE_RUN = f"test -f runs/smoke/metrics.jsonl || moe-lc train {SMOKE} > /dev/null"
+PREPARED = ("test -f data/mine.idx || moe-lc prepare-data corpus/*.jsonl --output-prefix data/mine "
+            "--tokenizer tokenizer.json > /dev/null")
 PROXY = ("model=tiny curriculum.stages.ctx8k.seq_len=256 curriculum.stages.ctx8k.global_batch_tokens=1024 "
          f"data.synthetic_documents=8 {ONE_STEP}")
 PROXY_BENCH = ("model=tiny curriculum.stages.ctx8k.seq_len=256 curriculum.stages.ctx8k.global_batch_tokens=1024 "
@@ -48,6 +51,7 @@ class Run:
     extra: str = ""
     command: Optional[str] = None
     env: str = ""  # VAR=value ... in front
+    before: str = ""  # makes what the command reads where an earlier command has not (any order, any worker)
 
 
 @dataclass(frozen=True)
@@ -66,11 +70,11 @@ COMMANDS: dict[str, object] = {
     "moe-lc train resume=auto": Run(SMOKE),
     "moe-lc plan k3-8k": Run(),
     "moe-lc bench proxy-8k --steps 10 --profile": Run(PROXY_BENCH),
-    "moe-lc report runs/smoke": Run(),
+    "moe-lc report runs/smoke": Run(before=SMOKE_RUN),
     "moe-lc prepare-data corpus/*.jsonl --output-prefix data/mine --tokenizer tokenizer.json": Run(),
     "moe-lc train data=custom 'data.sources=[{prefix: data/mine, weight: 1.0}]' data.tokenizer=tokenizer.json "
     "run_dir=runs/mine":
-        Run(SMOKE + " model.vocab_size=512"),  # the test's tokenizer has 320 ids; tiny has 258
+        Run(SMOKE + " model.vocab_size=512", before=PREPARED),  # the test's tokenizer has 320 ids; tiny has 258
     "bash launch/train_single_node.sh recipe=proxy-curriculum": Run(PROXY + " run_dir=runs/proxy-curriculum",
                                                                      env="MAX_RESTARTS=0"),
     "sbatch --nodes 4 launch/train.sbatch recipe=proxy-curriculum run_dir=/shared/runs/proxy":
@@ -90,7 +94,7 @@ COMMANDS: dict[str, object] = {
     "moe-lc plan NAME [key=value ...]": Run(command="moe-lc plan smoke layout=dp2 "
                                                     "curriculum.stages.ctx16k.global_batch_tokens=32768"),
     "moe-lc bench NAME [key=value ...] [--profile]": NotRun("the synopsis; moe-lc bench proxy-8k --steps 10 --profile runs it"),
-    "moe-lc report RUN_DIR [--out DIR]": Run(command="moe-lc report runs/smoke --out report-copy"),
+    "moe-lc report RUN_DIR [--out DIR]": Run(command="moe-lc report runs/smoke --out report-copy", before=SMOKE_RUN),
     "moe-lc plan NAME --gpus 1024 --gpu-memory 141": Run(command="moe-lc plan proxy-8k --gpus 1024 --gpu-memory 141"),
     # README.md, docs/parallelism.md: the planner's search
     "moe-lc plan k3-8k --gpus 1024 --gpu-memory 141": Run(),
@@ -285,6 +289,8 @@ def test_a_documented_command_runs(command, how, scratch, tmp_path_factory):
     env_prefix = how.env.format(port=_free_port())
     env = {**os.environ, "MOE_LC_CACHE": str(tmp_path_factory.getbasetemp() / "moe_lc_cache"), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    if how.before:
+        line = f"{how.before}; {line}"
     script = f"set -e; export {env_prefix}; {line}" if env_prefix else f"set -e; {line}"
     proc = subprocess.run(["bash", "-c", script], cwd=scratch, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{line}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
