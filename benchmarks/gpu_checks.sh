@@ -6,10 +6,10 @@
 #
 #   OUT=results/gpu STEP_TIMEOUT=300 bash benchmarks/gpu_checks.sh      # PACK=1: one .tgz of it all
 #
-# ONLY="gpu_tests_ops compare_paths" runs just the named steps (a machine lent for 10-minute calls).
+# ONLY="gpu_tests compare_paths" runs just the named steps (a machine lent for 10-minute calls).
 #
 # Needs a CUDA GPU and the project importable (installed, or on PYTHONPATH with moe_lc_kernels and
-# moe_lc_recipes); torchao for the fp8 step. `python -m moe_lc.cli` is `moe-lc`.
+# moe_lc_recipes); torchao for the fp8 step, pytest-xdist for the tests. `python -m moe_lc.cli` is `moe-lc`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
@@ -28,11 +28,9 @@ step() {
 }
 
 S=curriculum.stages.ctx8k
-# the GPU-capable tests in two parts that each fit a 10-minute call
-step gpu_tests_ops python -m pytest -q -rs -p no:cacheprovider tests/test_grouped_experts.py tests/test_attention_op.py \
-    tests/test_situ_glu.py tests/test_short_conv.py tests/test_kernels_kda.py
-step gpu_tests_train python -m pytest -q -rs -p no:cacheprovider tests/test_train_step.py tests/test_float8.py \
-    tests/test_compile.py tests/test_parallel_harness.py
+# the whole suite, GPU-only tests included, spread over TEST_WORKERS processes (pytest-xdist;
+# about 5 minutes with 14 on a 16-core H200 machine, docs/testing.md)
+step gpu_tests python -m pytest -q -rfEs -p no:cacheprovider -n "${TEST_WORKERS:-14}" tests
 # compiled (the proxy recipes' `auto` on one GPU) and eager, same machine; warm-up covers the first
 # batch whose KDA documents split into segments (one more Triton compile, docs/performance.md 12.2.1)
 step bench_proxy_8k python -m moe_lc.cli bench proxy-8k $S.global_batch_tokens=131072 compile.enabled=true --steps 6 \

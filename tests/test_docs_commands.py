@@ -103,6 +103,7 @@ COMMANDS: dict[str, object] = {
                     "--interconnect ib400 --margin 0.1 --runners-up 3"),
     # docs/testing.md
     "python3 -m pytest -q tests": NotRun("this suite"),
+    "python -m pytest -q -n 14 tests": NotRun("this suite, spread over processes on a GPU machine", needs="GPU"),
     "python3 -m pytest -q tests/test_reference_layers.py tests/test_reference_model.py": NotRun("part of this suite"),
     "python3 tests/mutation/mutate.py --check": Run(command=f"cd {REPO} && python3 tests/mutation/mutate.py --check"),
     **{c: NotRun("runs test files once per mutant (minutes to ~20 min); --check above runs the same program") for c in (
@@ -144,6 +145,11 @@ COMMANDS: dict[str, object] = {
         "--warmup 3",
         "moe-lc bench proxy-8k model=k3-small compile.enabled=true curriculum.stages.ctx8k.global_batch_tokens=65536 "
         "curriculum.stages.ctx8k.micro_batch=1 --steps 4 --warmup 2",
+        "moe-lc bench proxy-8k model=k3-small compile.enabled=true curriculum.stages.ctx8k.global_batch_tokens=65536 "
+        "curriculum.stages.ctx8k.micro_batch=1 --steps 4 --warmup 2 --trace tr",
+        "moe-lc bench proxy-8k model=k3-small precision=fp8 compile.enabled=true "
+        "curriculum.stages.ctx8k.global_batch_tokens=65536 curriculum.stages.ctx8k.micro_batch=1 --steps 4 --warmup 2 "
+        "--trace tr8",
         "python benchmarks/bench_memory.py --recipe proxy-8k --seq-lens 8192,65536 --policies none,selective,full",
         "python benchmarks/compare_paths.py --recipe proxy-8k --steps 20 "
         "curriculum.stages.ctx8k.global_batch_tokens=16384 curriculum.stages.ctx8k.micro_batch=1",
