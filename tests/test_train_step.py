@@ -138,7 +138,8 @@ def test_a_micro_batch_without_labels_adds_nothing_to_the_update():
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
 def test_a_stop_signal_ends_the_run_after_the_next_step_with_a_checkpoint(tmp_path, monkeypatch, capsys, signame):
     """SIGTERM (or Ctrl-C's SIGINT) during step 2: the request rides in step 3's end-of-step read; the
-    run saves and stops with exit code 3, no traceback."""
+    run saves (also with checkpoint.at_end=false: a preempted run must resume) and stops with exit
+    code 3, no traceback."""
     import json
     import os
     import signal
@@ -157,10 +158,30 @@ def test_a_stop_signal_ends_the_run_after_the_next_step_with_a_checkpoint(tmp_pa
     monkeypatch.setattr(step_module, "train_step", signalled_step)
     args = ["curriculum.run=[ctx256]", "curriculum.stages.ctx256.steps=6", "curriculum.stages.ctx256.global_batch_tokens=512",
             "curriculum.stages.ctx256.micro_batch=2", "eval.sequences=0", "eval.passkey_documents=0",
-            "logging.progress=none", "logging.tensorboard=false", "report.at_end=false", "threads=1", f"run_dir={tmp_path}"]
+            "logging.progress=none", "logging.tensorboard=false", "report.at_end=false", "threads=1", f"run_dir={tmp_path}",
+            "checkpoint.at_end=false"]
     assert run_train_cli(args) == 3  # stopped by a signal after saving: a launcher requeues
     out = capsys.readouterr()
     assert "stopped by signal: step 3/" in out.out and "Traceback" not in out.err
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000003"]
+
+
+@pytest.mark.usefixtures("shared_corpus_cache")
+def test_a_launch_without_the_final_save_leaves_no_checkpoint(tmp_path):
+    """checkpoint.at_end=false (with at_stage_end=false): a measurement that never resumes writes no
+    checkpoint at max_steps (a k3-small one is 52 GB); the steps are logged as usual."""
+    import json
+
+    from moe_lc.train.main import run_train_cli
+
+    args = ["curriculum.run=[ctx256]", "curriculum.stages.ctx256.steps=6", "curriculum.stages.ctx256.global_batch_tokens=512",
+            "curriculum.stages.ctx256.micro_batch=2", "eval.sequences=0", "eval.passkey_documents=0",
+            "logging.progress=none", "logging.tensorboard=false", "report.at_end=false", "threads=1", "max_steps=2",
+            "checkpoint.at_stage_end=false"]
+    assert run_train_cli([*args, f"run_dir={tmp_path / 'off'}", "checkpoint.at_end=false"]) == 0
+    assert [json.loads(line)["step"] for line in (tmp_path / "off" / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert list((tmp_path / "off" / "checkpoints").glob("step_*")) == []
+    assert run_train_cli([*args, f"run_dir={tmp_path / 'on'}"]) == 0  # the default saves at the end
+    assert sorted(p.name for p in (tmp_path / "on" / "checkpoints").glob("step_*")) == ["step_00000002"]

@@ -85,6 +85,7 @@ class CurriculumConfig:
 class CheckpointConfig:
     every: int = 0  # optimizer steps between checkpoints (0: only at stage ends and at the end)
     at_stage_end: bool = True
+    at_end: bool = True  # when a launch ends (max_steps, the curriculum's end); a stop signal always saves
     keep_last: int = 3
     async_save: bool = False
     dir: str = "checkpoints"  # relative to run_dir

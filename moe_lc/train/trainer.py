@@ -181,7 +181,8 @@ class Trainer:
                     summary.checkpoints.append(str(self._save(state, plan, position)))
                 if not stage_done or summary.stopped_early:  # max_steps or a stop signal (also at a stage end)
                     break
-            if state is not None and self.last_saved_step != position.step:
+            final_save = cfg.checkpoint.at_end or summary.stopped_early  # a preempted run must be resumable
+            if state is not None and self.last_saved_step != position.step and final_save:
                 current = stage_at(plans, max(position.step - 1, 0))
                 summary.checkpoints.append(str(self._save(state, current, position)))
         finally:
