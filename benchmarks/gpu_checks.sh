@@ -45,6 +45,14 @@ step bench_proxy_256k python -m moe_lc.cli bench proxy-256k curriculum.stages.ct
     --steps 2 --warmup 1 --json "$OUT/bench_proxy_256k.json"
 step compare_paths python benchmarks/compare_paths.py --recipe proxy-8k --steps 20 $S.global_batch_tokens=16384 \
     $S.micro_batch=1 --out "$OUT/compare_paths.json"
+# FP8 against BF16 over 200 steps of k3-small (one 8K row a step; no resume: its checkpoint is 52 GB),
+# and the resume across precisions on the proxy (docs/training.md, "FP8")
+step precision_curves python benchmarks/compare_precisions.py --recipe proxy-8k --steps 200 --a precision=bf16 \
+    --b precision=fp8 --out "$OUT/precisions" model=k3-small compile.enabled=true $S.global_batch_tokens=8192 \
+    $S.micro_batch=1
+step precision_resume python benchmarks/compare_precisions.py --recipe proxy-8k --steps 8 --resume-at 4 \
+    --resume-steps 2 --a precision=bf16 --b precision=fp8 --window 4 --out "$OUT/precision_resume" \
+    $S.global_batch_tokens=32768
 step memory python benchmarks/bench_memory.py --recipe proxy-8k --seq-lens 8192,65536,262144 \
     --policies none,selective,full --out "$OUT/memory.json"
 

@@ -151,6 +151,8 @@ COMMANDS: dict[str, object] = {
         "curriculum.stages.ctx8k.global_batch_tokens=65536 curriculum.stages.ctx8k.micro_batch=1 --steps 4 --warmup 2 "
         "--trace tr8",
         "python benchmarks/bench_memory.py --recipe proxy-8k --seq-lens 8192,65536 --policies none,selective,full",
+        "python benchmarks/compare_precisions.py --recipe proxy-8k --steps 200 --resume-at 100 --a precision=bf16 "
+        "--b precision=fp8 --out results/precisions",
         "python benchmarks/compare_paths.py --recipe proxy-8k --steps 20 "
         "curriculum.stages.ctx8k.global_batch_tokens=16384 curriculum.stages.ctx8k.micro_batch=1",
         "OUT=results/gpu STEP_TIMEOUT=300 bash benchmarks/gpu_checks.sh",
