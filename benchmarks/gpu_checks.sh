@@ -41,6 +41,9 @@ step bench_k3_small python -m moe_lc.cli bench proxy-8k model=k3-small compile.e
     $S.micro_batch=1 --steps 4 --warmup 2 --trace "$OUT/trace_k3_small" --json "$OUT/bench_k3_small.json"
 step bench_k3_small_fp8 python -m moe_lc.cli bench proxy-8k model=k3-small precision=fp8 compile.enabled=true \
     $S.global_batch_tokens=65536 $S.micro_batch=1 --steps 4 --warmup 2 --json "$OUT/bench_k3_small_fp8.json"
+step bench_k3_small_fp8_experts python -m moe_lc.cli bench proxy-8k model=k3-small precision=fp8 float8.experts=true \
+    compile.enabled=true $S.global_batch_tokens=65536 $S.micro_batch=1 --steps 4 --warmup 2 --trace "$OUT/trace_k3_fp8x" \
+    --json "$OUT/bench_k3_small_fp8_experts.json"
 step bench_proxy_256k python -m moe_lc.cli bench proxy-256k curriculum.stages.ctx256k.global_batch_tokens=262144 \
     --steps 2 --warmup 1 --json "$OUT/bench_proxy_256k.json"
 step compare_paths python benchmarks/compare_paths.py --recipe proxy-8k --steps 20 $S.global_batch_tokens=16384 \

@@ -10,6 +10,8 @@ is what expert parallelism shards). Backends:
   gradient of the whole stacked weight per expert and matrix;
 - "grouped": one ``torch._grouped_mm`` per matrix with the offsets on the device: no host read, and
   the weight gradients come out of one grouped GEMM straight into the stacked [E, ...] layout;
+- "float8": the grouped GEMMs in float8 through torchao on padded groups
+  (``moe_lc.ops.grouped_experts_float8``; ``float8.experts=true`` under ``precision=fp8`` sets it);
 - "auto": grouped on CUDA for bf16 and fp32, the reference otherwise (CPU runs stay bitwise what
   the reference computes). On an H200 (torch 2.11) the grouped GEMM gave bitwise the loop's result
   in both dtypes at the proxy preset's shapes ([32768, 512] rows, 64 experts of 512 x 512), 35x
@@ -159,6 +161,10 @@ def grouped_glu(
     act = functools.partial(glu_activation, kind=activation, beta1=beta1, beta2=beta2, backend=activation_backend)
     if x_sorted.shape[0] == 0:
         return _on_no_rows(x_sorted, w_gate, w_in, w_out, act)
+    if backend == "float8":
+        from moe_lc.ops.grouped_experts_float8 import float8_grouped_glu
+
+        return float8_grouped_glu(x_sorted, expert_offsets(counts, x_sorted.device), w_gate, w_in, w_out, act)
     operands = autocast_operands(x_sorted, w_gate, w_in, w_out)
     if resolve_backend(*operands, backend) == "grouped":
         return grouped_glu_mm(operands[0], expert_offsets(counts, x_sorted.device), *operands[1:], act)

@@ -20,7 +20,9 @@ Which linears (``float8_linear_names``; a name is a module path in the model):
   embedding and KDA's state recurrence are not linears and stay as they are.
 - **shape**: float8 GEMMs need both dimensions divisible by 16; any other linear stays bf16.
 - **routed experts** are grouped GEMMs over stacked weights (``moe_lc.ops.grouped_experts``), not
-  linears: they stay bf16 here (torchao's FP8 grouped GEMM is a prototype for newer GPUs).
+  linears: bf16 by default; ``float8.experts=true`` runs their three grouped GEMMs through torchao's
+  row-wise float8 grouped GEMM (``moe_lc.ops.grouped_experts_float8``; compute capability 9.0+,
+  expert dimensions divisible by 16; torchao ships it as a prototype, so it is opt-in).
 
 Tensor parallelism is not combined with FP8 yet (a per-tensor scale over a shard is not the full
 tensor's); FSDP2 and ZeRO-1, EP, activation checkpointing and pipelines are (the conversion comes
@@ -52,6 +54,7 @@ class Float8Training:
 
     scaling: Float8Scaling = Float8Scaling.tensorwise
     fsdp_float8_all_gather: bool = False  # FSDP all-gathers the weights already cast to float8 (tensorwise)
+    experts: bool = False  # the routed experts' grouped GEMMs in float8 too (row-wise; opt-in, see above)
 
     def __post_init__(self) -> None:
         self.scaling = parse_choice(Float8Scaling, "float8.scaling", self.scaling)
@@ -114,4 +117,17 @@ def apply_float8(model: nn.Module, policy: Float8Training, tp: int = 1) -> list[
     names = float8_linear_names(model)
     chosen = set(names)
     float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda _m, fqn: fqn in chosen)
+    if policy.experts:
+        experts = float8_expert_names(model)
+        for name in experts:
+            model.get_submodule(name).backend = "float8"
+        names = names + experts
     return names
+
+
+def float8_expert_names(model: nn.Module) -> list[str]:
+    """The module paths of the routed experts whose grouped GEMMs ``float8.experts=true`` converts."""
+    from moe_lc.model.moe import RoutedExperts
+
+    return [name for name, module in model.named_modules() if isinstance(module, RoutedExperts)
+            and module.w_gate.shape[1] % FP8_DIM_MULTIPLE == 0 and module.w_gate.shape[2] % FP8_DIM_MULTIPLE == 0]
