@@ -62,3 +62,23 @@ def test_compiled_modules_keep_their_ranges():
     assert len(ranges) == len(mixers), (len(ranges), len(mixers))
     assert breakdown(events, device=False).get("attn_res", 0.0) > 0.0
     torch._dynamo.reset()
+
+
+def test_idle_share_counts_kernels_not_the_ranges_over_them():
+    """On a GPU the components' ranges and the profiler's step show on the device timeline too,
+    spanning the kernels; only the kernels are work: here 4 of the 10 us window, twice overlapping."""
+    from types import SimpleNamespace
+
+    from moe_lc.metrics.breakdown import idle_share
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, start, end, device, annotation=False):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device,
+                               is_user_annotation=annotation)
+
+    events = [event("ProfilerStep#1", 0, 10, cpu, True), event("ProfilerStep#1", 0, 10, cuda, True),
+              event("moe_lc::kda", 1, 9, cuda, True), event("kernel_a", 2, 4, cuda), event("kernel_b", 3, 5, cuda),
+              event("kernel_c", 7, 8, cuda), event("aten::mm", 1, 2, cpu)]
+    assert idle_share(events, device=True) == 1.0 - 4 / 10
+    assert idle_share(events, device=False) == 1.0 - 1 / 10
