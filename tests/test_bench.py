@@ -44,6 +44,7 @@ def test_bench_of_the_smoke_recipe_times_and_profiles_its_first_stage(tmp_path, 
     for component in ("kda", "mla", "router_dispatch", "experts", "shared_experts", "loss", "optimizer", "data"):
         assert profiled["components_ms"].get(component, 0.0) > 0.0, (component, profiled["components_ms"])
     assert 0.0 <= profiled["device_idle_share"] < 1.0
+    assert profiled["full_step_idle_share"] is None  # a GPU measure: the kernels of a whole step
     events = json.loads((trace / "rank0_trace.json").read_text())["traceEvents"]
     assert any(e.get("name", "").startswith("aten::mm") for e in events)
     assert "aten::" in (trace / "rank0_ops.txt").read_text()
@@ -57,3 +58,17 @@ def test_an_unknown_stage_is_one_line_naming_the_stages(capsys):
     assert run_bench_cli(["smoke", "--stage", "ctx2k", "--steps", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "ctx2k" in err and "ctx256, ctx1k, ctx4k, ctx16k" in err
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_bench_on_a_gpu_reports_how_much_of_a_whole_step_waits_for_the_host(tmp_path, capsys):
+    """The tiny model's kernels are microseconds long: its steps are mostly launch overhead, so the
+    GPU idles most of a whole step, and the report says so."""
+    out = tmp_path / "bench.json"
+    args = ["recipe=smoke", "device=cuda", *SMALL[1:], f"run_dir={tmp_path / 'run'}", "--steps", "2", "--warmup", "1",
+            "--profile", "--json", str(out)]
+    assert run_bench_cli(args) == 0
+    r = json.loads(out.read_text())
+    idle = r["profile"]["full_step_idle_share"]
+    assert 0.3 < idle < 1.0, idle
+    assert "GPU idle" in capsys.readouterr().out

@@ -19,7 +19,8 @@ Numbers (printed by rank 0; `--json PATH` writes them all):
   in the same run (`measured_matmul_peak`; fp32 on a CPU);
 - peak memory: the largest allocator peak over the ranks (peak RSS on a CPU);
 - breakdown: time per model component in the profiled step (`moe_lc.metrics.breakdown`) and
-  the share of the step in which the device ran nothing.
+  the share of the step in which the device ran nothing; on a GPU also the idle share of one
+  whole step traced with the GPU's activity only (what waits for the host).
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ class Profiled:
     step_time_s: float  # mean over the profiled steps (the profiler adds some overhead)
     components_ms: dict[str, float]  # per step: kernel time on a GPU, CPU time of every thread on a CPU
     device_idle_share: float  # share of the profiled window with no kernel or copy running (no op on a CPU)
+    # share of one whole step of the timed size with no kernel running, traced with the GPU's activity
+    # only (no host-side profiling to slow the host down): how much of a step waits for the host
+    full_step_idle_share: Optional[float] = None
 
 
 @dataclass
@@ -165,6 +169,13 @@ def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled
         with contextlib.closing(profiled_steps):
             profile_result = _profile(profiled_steps, state.model, device, show, small.grad_accum,
                                       _trace_prefix(trace_dir, runtime))
+        if device.type == "cuda":
+            first += PROFILER_WARMUP_STEPS + PROFILED_STEPS
+            full_data = build_stage_data(plan, cfg.data, cfg.model.vocab_size, cfg.seed, sync=runtime.rank0_first)
+            full_steps = run_steps(state, full_data, range(first, first + PROFILER_WARMUP_STEPS + 1), 0, total_steps(plans),
+                                   cfg.optim, runtime)
+            with contextlib.closing(full_steps):
+                profile_result.full_step_idle_share = _full_step_idle_share(full_steps, show)
     result = _result(cfg, plan, runtime, timed, wall, warmup, matmul_peak, profile_result)
     return replace(result, precision=result.precision + _compiled_note(state.model))
 
@@ -226,6 +237,17 @@ def _profile(taken_steps, model: torch.nn.Module, device: torch.device, show, mi
     per_step = {name: ms / PROFILED_STEPS for name, ms in breakdown(events, device=on_gpu).items()}
     return Profiled(PROFILED_STEPS, micro_batches, sum(times) / len(times), per_step,
                     idle_share(events, device=on_gpu))
+
+
+def _full_step_idle_share(taken_steps, show) -> float:
+    """Idle share of the GPU over one whole step, from a trace of its kernels alone (CUPTI): the
+    host runs as it does untraced, so the gaps are the host's (launches, Python, host reads)."""
+    plan = schedule(wait=0, warmup=PROFILER_WARMUP_STEPS, active=1, repeat=1)
+    with profile(activities=[ProfilerActivity.CUDA], schedule=plan) as prof:
+        for k in range(PROFILER_WARMUP_STEPS + 1):
+            show("traced", k, PROFILER_WARMUP_STEPS + 1, next(taken_steps))
+            prof.step()
+    return idle_share(prof.events(), device=True)
 
 
 def _max_over_ranks(value: float, runtime: Runtime) -> float:
@@ -309,6 +331,9 @@ def format_bench(r: BenchResult) -> str:
         idle = "device idle" if r.device_type == "cuda" else "no op running"
         lines.append(f"  breakdown     {p.steps} profiled step of {p.micro_batches} micro-batch(es) per rank "
                      f"({r.grad_accum} in a timed step), {p.step_time_s:.3f} s, {idle} {pct(p.device_idle_share)} of it")
+        if p.full_step_idle_share is not None:
+            lines.append(f"  GPU idle      {pct(p.full_step_idle_share)} of a whole step of {r.grad_accum} micro-batch(es) "
+                         "(its kernels traced alone): the share that waits for the host")
         step_ms = 1e3 * p.step_time_s
         for name, ms in p.components_ms.items():
             lines.append(f"    {name:<16} {ms:>10.1f} ms  {100 * ms / step_ms:5.1f}%")
