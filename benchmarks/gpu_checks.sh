@@ -55,7 +55,7 @@ step precision_curves python benchmarks/compare_precisions.py --recipe proxy-8k 
     $S.micro_batch=1
 step precision_resume python benchmarks/compare_precisions.py --recipe proxy-8k --steps 8 --resume-at 4 \
     --resume-steps 2 --a precision=bf16 --b precision=fp8 --window 4 --out "$OUT/precision_resume" \
-    $S.global_batch_tokens=32768
+    $S.global_batch_tokens=32768 compile.enabled=false  # six short launches: no compile in each
 step memory python benchmarks/bench_memory.py --recipe proxy-8k --seq-lens 8192,65536,262144 \
     --policies none,selective,full --out "$OUT/memory.json"
 
