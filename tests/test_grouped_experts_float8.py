@@ -150,3 +150,13 @@ def test_float8_experts_match_float64_within_float8_precision_and_never_wait():
     for got, want, name in zip([x.grad, *(t.grad for t in w)], [t.grad for t in ref_in], ["x", "gate", "in", "out"]):
         assert got is not None and rel(got, want) < 0.15, (name, rel(got, want))
 
+
+
+def test_the_run_says_when_the_experts_compute_in_float8_too():
+    from moe_lc.train.runtime import Runtime
+
+    fp8 = Runtime(0, 1, 0, torch.device("cuda"), torch.bfloat16, False, float8=True)
+    assert fp8.precision_label == "fp8 linears, bf16 autocast, fp32 weights"
+    assert fp8.describe_precision(float8_experts=True) == "fp8 linears and experts, bf16 autocast, fp32 weights"
+    plain = Runtime(0, 1, 0, torch.device("cuda"), torch.bfloat16, False)
+    assert plain.describe_precision(float8_experts=True) == "bf16 autocast, fp32 weights"  # only under fp8

@@ -280,7 +280,7 @@ def _result(
         world_size=world,
         device_type=device.type,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} thread(s))",
-        precision=runtime.precision_label,
+        precision=runtime.describe_precision(cfg.float8.experts),
         warmup_steps=warmup,
         steps=len(timed),
         step_time_s=step_time,

@@ -38,8 +38,12 @@ class Runtime:
 
     @property
     def precision_label(self) -> str:
+        return self.describe_precision()
+
+    def describe_precision(self, float8_experts: bool = False) -> str:
+        """What computes in which precision (``float8_experts``: ``float8.experts=true``)."""
         if self.float8:
-            return "fp8 linears, bf16 autocast, fp32 weights"
+            return f"fp8 linears{' and experts' if float8_experts else ''}, bf16 autocast, fp32 weights"
         return {torch.bfloat16: "bf16 autocast, fp32 weights", torch.float64: "fp64"}.get(self.compute_dtype, "fp32")
 
     @property

@@ -383,7 +383,7 @@ class Trainer:
         cfg, rt = self.cfg, self.runtime
         rep = count_parameters(cfg.model)
         start = f"resuming at step {position.step}" if self.start.resume else f"fresh start (seed {cfg.seed})"
-        dtype = rt.precision_label
+        dtype = rt.describe_precision(cfg.float8.experts)
         if cfg.compile.resolve(rt.device.type, rt.world_size, cfg.layout.tp).enabled:
             dtype += ", regional torch.compile"
         return (
