@@ -33,6 +33,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from moe_lc.report import load_run
+
 QUIET = ["logging.progress=lines", "logging.tensorboard=false", "report.at_end=false", "eval.sequences=0",
          "eval.passkey_documents=0", "checkpoint.at_stage_end=false"]
 
@@ -49,9 +51,8 @@ def train(run_dir: Path, overrides: list[str], log: Path) -> None:
 
 
 def losses(run_dir: Path) -> dict[int, dict]:
-    """The last record of each step in ``metrics.jsonl``."""
-    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    return {r["step"]: r for r in records}
+    """Each step's record as trained (``load_run``: a relaunch's redone steps replace the earlier ones)."""
+    return {r["step"]: r for r in load_run(run_dir).steps}
 
 
 def run_pair_member(out: Path, name: str, precision: list[str], common: list[str], steps: int,
@@ -79,7 +80,10 @@ def median_after(records: dict[int, dict], key: str, skip: int) -> Optional[floa
     return statistics.median(values) if values else None
 
 
-def plot(path: Path, a: dict, b: dict, resumed: dict[str, dict], names: tuple[str, str], window: int) -> None:
+def plot(path: Path, a: dict, b: dict, resumed: dict[str, dict], names: tuple[str, str], rel: list[float],
+         windows: list[float], window: int) -> None:
+    """The two curves (and the resumed losses) above; below, the relative difference per step and of
+    the ``window``-step means, which is what the tolerance checks."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -95,11 +99,9 @@ def plot(path: Path, a: dict, b: dict, resumed: dict[str, dict], names: tuple[st
     top.set_title(f"{names[1]} against {names[0]}, same seed and batches")
     top.legend()
     top.grid(alpha=0.3)
-    rel = [relative(b[s]["loss"], a[s]["loss"]) for s in steps]
     bottom.plot(steps, rel, lw=0.8, color="gray", label="per step")
-    means = window_means(rel, window)
-    bottom.plot([steps[min(i * window + window - 1, len(steps) - 1)] for i in range(len(means))], means, "o-",
-                ms=3, label=f"mean over {window} steps")
+    bottom.plot([steps[i * window + window - 1] for i in range(len(windows))], windows, "o-", ms=3,
+                label=f"of the {window}-step means")
     bottom.set_ylabel("relative difference")
     bottom.set_xlabel("step")
     bottom.legend()
@@ -166,7 +168,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         peak_memory_gib_b=max((r.get("peak_memory_gib") or 0.0) for r in b.values()),
         resume=resume_rows, tolerance=args.tolerance, resume_tolerance=args.resume_tolerance,
     )
-    plot(args.out / "curves.png", a, b, resumed, names, window)
+    plot(args.out / "curves.png", a, b, resumed, names, rel, windows, window)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 
     print(f"{'step':>5} {'loss ' + names[0]:>24} {'loss ' + names[1]:>24} {'rel diff':>9}")

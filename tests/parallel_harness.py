@@ -9,7 +9,6 @@ its traceback; a timeout kills the workers this call started.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import tempfile
@@ -18,6 +17,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -69,23 +69,13 @@ def _failure_report(out_dir: str, world_size: int, results: dict[int, dict], fir
     return "\n".join(f"rank {r} failed{' first' if r == first else ''}:\n{errors[r]}" for r in order)
 
 
-@contextlib.contextmanager
-def _without_gpus():
-    """Spawned workers inherit an environment that hides the GPUs. The ranks are gloo processes on
-    the CPU; on a machine with a GPU, build_mesh's default device type and FSDP2 (which moves a
-    module to its mesh's device) would put the model on the GPU, and a test would compare a GPU
-    run with its CPU reference (test_float8's FSDP parity failed so on an H200 machine). Setting
-    it inside the worker is too late: unpickling the test's function imports modules (torchao)
-    that ask CUDA for its devices at import time, and CUDA keeps the first answer."""
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
+# Spawned workers inherit an environment that hides the GPUs. The ranks are gloo processes on the
+# CPU; on a machine with a GPU, build_mesh's default device type and FSDP2 (which moves a module to
+# its mesh's device) would put the model on the GPU, and a test would compare a GPU run with its CPU
+# reference (test_float8's FSDP parity failed so on an H200 machine). Setting it inside the worker
+# is too late: unpickling the test's function imports modules (torchao) that ask CUDA for its
+# devices at import time, and CUDA keeps the first answer.
+_WITHOUT_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 100.0) -> list[Any]:
@@ -97,7 +87,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             ctx.Process(target=_worker, args=(fn, r, world_size, store, tmp, args), daemon=True)
             for r in range(world_size)
         ]
-        with _without_gpus():
+        with mock.patch.dict(os.environ, _WITHOUT_GPUS):
             for p in procs:
                 p.start()
         deadline = time.monotonic() + timeout
