@@ -44,13 +44,15 @@ def test_bench_of_the_smoke_recipe_times_and_profiles_its_first_stage(tmp_path, 
     for component in ("kda", "mla", "router_dispatch", "experts", "shared_experts", "loss", "optimizer", "data"):
         assert profiled["components_ms"].get(component, 0.0) > 0.0, (component, profiled["components_ms"])
     assert 0.0 <= profiled["device_idle_share"] < 1.0
+    for component in ("kda", "experts", "optimizer"):  # the host's wall time too
+        assert profiled["host_ms"].get(component, 0.0) > 0.0, (component, profiled["host_ms"])
     assert profiled["full_step_idle_share"] is None  # a GPU measure: the kernels of a whole step
     events = json.loads((trace / "rank0_trace.json").read_text())["traceEvents"]
     assert any(e.get("name", "").startswith("aten::mm") for e in events)
     assert "aten::" in (trace / "rank0_ops.txt").read_text()
     shapes = (trace / "rank0_shapes.txt").read_text()  # the same ops by their input shapes
     assert "Input Shapes" in shapes and re.search(r"aten::mm .*\[\[\d+, \d+\], \[\d+, \d+\]\]", shapes), shapes[:3000]
-    for line in ("tokens/s", "MFU", "measured matmul peak", "peak memory", "breakdown", "experts"):
+    for line in ("tokens/s", "MFU", "measured matmul peak", "peak memory", "breakdown", "experts", "host wall"):
         assert line in printed, line
 
 

@@ -1,5 +1,7 @@
 """The per-component breakdown charges forward and backward work to the module that did it."""
 
+import time
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -82,3 +84,62 @@ def test_idle_share_counts_kernels_not_the_ranges_over_them():
               event("kernel_c", 7, 8, cuda), event("aten::mm", 1, 2, cpu)]
     assert idle_share(events, device=True) == 1.0 - 4 / 10
     assert idle_share(events, device=False) == 1.0 - 1 / 10
+
+
+def _sleeping(component: str, seconds: float):
+    """An op-free stretch of host time inside a component's range, as a Triton launch or a compiled
+    region's guards are: no aten op records it."""
+    class Sleep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            time.sleep(seconds)
+            ctx.save_for_backward(x)  # what a checkpoint's backward must recompute
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(seconds)
+            (x,) = ctx.saved_tensors
+            return grad * torch.ones_like(x)
+
+    def run(x):
+        with region(component):
+            return Sleep.apply(x)
+    return run
+
+
+def test_host_time_counts_the_time_between_ops_and_charges_the_backward_to_its_forward():
+    from moe_lc.metrics.breakdown import host_breakdown
+
+    x = torch.randn(8, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        y = _sleeping("kda", 0.02)(x)
+        y.sum().backward()
+    events = prof.events()
+    host = host_breakdown(events)
+    assert host["kda"] >= 40.0, host  # 20 ms forward + 20 ms in the node of the backward
+    assert host.get(OTHER, 0.0) < 20.0, host
+
+
+def test_host_time_of_a_nested_or_recomputed_range_is_counted_once():
+    from torch.utils.checkpoint import checkpoint
+
+    from moe_lc.metrics.breakdown import host_breakdown
+
+    inner = _sleeping("experts", 0.03)
+
+    def outer(x):
+        with region("router_dispatch"):
+            time.sleep(0.01)
+            return inner(x * 2)
+
+    x = torch.randn(8, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        y = checkpoint(outer, x, use_reentrant=False)  # the backward runs the forward's ranges again
+        y.sum().backward()
+        wall_ms = 1e3 * (time.perf_counter() - t0)
+    host = host_breakdown(prof.events())
+    assert host["experts"] >= 90.0, host  # forward, recompute, backward
+    assert 20.0 <= host["router_dispatch"] < 60.0, host  # its own 2 x 10 ms, not the experts' inside it
+    assert sum(host.values()) <= wall_ms, (host, wall_ms)  # nothing counted twice

@@ -15,6 +15,9 @@ batches, and the preparation itself on its own thread), router_dispatch (the bal
 
 :func:`idle_share`: the share of the profiled window in which the device ran nothing, i.e. the
 time the step's kernels waited for the host to queue them (or for a read back).
+
+:func:`host_breakdown`: the host's wall time per component (Python, launches and dispatch
+included, which op times leave out): where to cut when the GPU waits for the host.
 """
 
 from __future__ import annotations
@@ -191,3 +194,42 @@ def idle_share(events: Any, device: bool) -> float:
             busy += end - max(start, reach)
             reach = end
     return max(0.0, 1.0 - busy / (max(ends) - min(starts)))
+
+
+def host_breakdown(events: Any) -> dict[str, float]:
+    """Host wall milliseconds per component from a profiler's ``events()``: each component range's
+    duration and each backward node's, the node charged to the component of the forward op that made
+    it, each less the ranges and nodes nested in it (a checkpoint's recompute runs forward ranges and
+    nodes inside a node). Unlike :func:`breakdown` this counts the Python between ops (a Triton
+    launch, a compiled region's guards): the host's share of a step that waits for it. A node whose
+    forward ran outside every component is "other"."""
+    forward_owner: dict[tuple[int, int], str] = {}
+    for e in events:
+        if e.sequence_nr >= 0 and not e.name.startswith(BACKWARD_NODE):
+            owner = _innermost(e)
+            if owner is not None:
+                forward_owner.setdefault((e.thread, e.sequence_nr), owner)
+
+    def charged(e: Any) -> Optional[str]:  # the component a range or node bills, None: neither
+        own = _own_component(e)
+        if own is not None:
+            return own
+        if e.name.startswith(BACKWARD_NODE):
+            return forward_owner.get((e.fwd_thread, e.sequence_nr), OTHER) if e.sequence_nr >= 0 else OTHER
+        return None
+
+    totals: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        name = charged(e)
+        if name is None:
+            continue
+        ms = (e.time_range.end - e.time_range.start) / 1e3
+        totals[name] += ms
+        up = e.cpu_parent
+        while up is not None and charged(up) is None:
+            up = up.cpu_parent
+        if up is not None:
+            totals[charged(up)] -= ms
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))

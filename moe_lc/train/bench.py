@@ -18,8 +18,9 @@ Numbers (printed by rank 0; `--json PATH` writes them all):
 - MFU against the datasheet peak (`device_peak_flops`) and against a bf16 matmul peak measured
   in the same run (`measured_matmul_peak`; fp32 on a CPU);
 - peak memory: the largest allocator peak over the ranks (peak RSS on a CPU);
-- breakdown: time per model component in the profiled step (`moe_lc.metrics.breakdown`) and
-  the share of the step in which the device ran nothing; on a GPU also the idle share of one
+- breakdown: time per model component in the profiled step (`moe_lc.metrics.breakdown`: kernel
+  time on a GPU, and the host's wall time beside it, Python and launches included) and the share
+  of the step in which the device ran nothing; on a GPU also the idle share of one
   whole step traced with the GPU's activity only (what waits for the host).
 """
 
@@ -29,7 +30,7 @@ import contextlib
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
@@ -41,7 +42,7 @@ from moe_lc.config import ConfigError
 from moe_lc.metrics import (
     device_memory_bytes, device_peak_flops, measured_matmul_peak, mfu, peak_memory_bytes, reset_peak_memory,
 )
-from moe_lc.metrics.breakdown import breakdown, component_ranges, idle_share
+from moe_lc.metrics.breakdown import breakdown, component_ranges, host_breakdown, idle_share
 from moe_lc.model.accounting import training_flops_per_token
 from moe_lc.parallel.compile import compiled_modules
 from moe_lc.train.config import TrainConfig
@@ -66,6 +67,9 @@ class Profiled:
     # share of one whole step of the timed size with no kernel running, traced with the GPU's activity
     # only (no host-side profiling to slow the host down): how much of a step waits for the host
     full_step_idle_share: Optional[float] = None
+    # per step: the host's wall time in each component (Python and launches included), which on a
+    # GPU says where the time goes when the kernels wait for the host
+    host_ms: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -235,8 +239,9 @@ def _profile(taken_steps, model: torch.nn.Module, device: torch.device, show, mi
         _write_trace(prof, trace_prefix, on_gpu)
     events = prof.events()
     per_step = {name: ms / PROFILED_STEPS for name, ms in breakdown(events, device=on_gpu).items()}
+    host = {name: ms / PROFILED_STEPS for name, ms in host_breakdown(events).items()}
     return Profiled(PROFILED_STEPS, micro_batches, sum(times) / len(times), per_step,
-                    idle_share(events, device=on_gpu))
+                    idle_share(events, device=on_gpu), host_ms=host)
 
 
 def _full_step_idle_share(taken_steps, show) -> float:
@@ -335,6 +340,10 @@ def format_bench(r: BenchResult) -> str:
             lines.append(f"  GPU idle      {pct(p.full_step_idle_share)} of a whole step of {r.grad_accum} micro-batch(es) "
                          "(its kernels traced alone): the share that waits for the host")
         step_ms = 1e3 * p.step_time_s
-        for name, ms in p.components_ms.items():
-            lines.append(f"    {name:<16} {ms:>10.1f} ms  {100 * ms / step_ms:5.1f}%")
+        kind = "kernels" if r.device_type == "cuda" else "op CPU"
+        lines.append(f"    {'component':<16} {kind:>10}  {'share':>6}  {'host wall':>10}")
+        for name in sorted(set(p.components_ms) | set(p.host_ms), key=lambda n: -p.components_ms.get(n, 0.0)):
+            ms, host = p.components_ms.get(name, 0.0), p.host_ms.get(name)
+            host_text = f"{host:>7.1f} ms" if host is not None else f"{'':>10}"
+            lines.append(f"    {name:<16} {ms:>7.1f} ms  {100 * ms / step_ms:5.1f}%  {host_text}")
     return "\n".join(lines)
