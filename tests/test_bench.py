@@ -40,6 +40,7 @@ def test_bench_of_the_smoke_recipe_times_and_profiles_its_first_stage(tmp_path, 
     assert r["mfu"] == pytest.approx(r["tokens_per_s"] * flops / peak, rel=1e-9)
     assert r["mfu_measured_peak"] == pytest.approx(r["tflops_per_device"] / r["peak_tflops_measured"], rel=1e-9)
     assert r["peak_memory_gib"] > 0 and r["device_memory_gib"] is None
+    assert r["allocator_per_step"] is None  # the CUDA caching allocator's counts
     profiled = r["profile"]
     for component in ("kda", "mla", "router_dispatch", "experts", "shared_experts", "loss", "optimizer", "data"):
         assert profiled["components_ms"].get(component, 0.0) > 0.0, (component, profiled["components_ms"])
@@ -73,4 +74,6 @@ def test_bench_on_a_gpu_reports_how_much_of_a_whole_step_waits_for_the_host(tmp_
     r = json.loads(out.read_text())
     idle = r["profile"]["full_step_idle_share"]
     assert 0.3 < idle < 1.0, idle
-    assert "GPU idle" in capsys.readouterr().out
+    assert set(r["allocator_per_step"]) == {"num_alloc_retries", "num_device_alloc", "num_device_free"}
+    printed = capsys.readouterr().out
+    assert "GPU idle" in printed and "cudaMalloc" in printed

@@ -109,3 +109,44 @@ def test_bad_compile_settings_are_one_line(capsys, tmp_path):
         assert run_train_cli([*args, "max_steps=1", f"run_dir={tmp_path}"]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def _moe_layers(model: nn.Module) -> dict[str, nn.Module]:
+    return {name: m for name, m in model.named_modules() if type(m).__name__ == "LatentMoE"}
+
+
+@needs_cxx
+def test_a_compiled_moe_layer_routes_balances_and_combines_as_the_eager_one_and_compiles_once():
+    """The MoE glue compiled (router, Quantile Balancing's selection and histogram, sort, gather,
+    combine) with the experts left out of the graph: same loss, gradients and balancer statistics
+    as eager over two batches that route differently, and the second batch compiles nothing."""
+    torch._dynamo.reset()
+    cfg = tiny(num_layers=3, layer_pattern="KKM")
+    eager, compiled = build_model(cfg, device="cpu", seed=0), build_model(cfg, device="cpu", seed=0)
+    names = apply_compile(compiled, RegionalCompile(enabled=True, targets=["moe"]))
+    assert names == list(_moe_layers(compiled)) and len(names) == 2  # the dense first layer has none
+    gen = torch.Generator().manual_seed(2)
+    torch._dynamo.utils.counters.clear()
+    for batch in range(2):
+        ids = torch.randint(0, cfg.vocab_size, (2, 65), generator=gen)
+        results = []
+        for model in (eager, compiled):
+            model.zero_grad(set_to_none=True)
+            out = model(ids[:, :-1], labels=ids[:, 1:], return_logits=False)
+            out.loss.backward()
+            stats = {n: (m.balancer.step_loads.clone(), m.balancer.histogram.counts.clone())
+                     for n, m in _moe_layers(model).items()}
+            results.append((out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}, stats))
+        if batch == 0:
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            assert graphs > 0  # it did compile
+        (loss_e, grads_e, stats_e), (loss_c, grads_c, stats_c) = results
+        assert abs(loss_c - loss_e) <= 64 * EPS32 * abs(loss_e)
+        for name, g in grads_e.items():
+            assert (grads_c[name] - g).abs().max().item() <= 64 * EPS32 * g.abs().max().item(), name
+        for name, (loads, counts) in stats_e.items():  # integer statistics: the same routing
+            assert torch.equal(stats_c[name][0], loads) and torch.equal(stats_c[name][1], counts), name
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # a new routing compiles nothing
+    breaks = dict(torch._dynamo.utils.counters["graph_break"])
+    assert breaks and all("disable" in reason.lower() or "skip" in reason.lower() for reason in breaks), breaks
+    torch._dynamo.reset()

@@ -43,6 +43,7 @@ from moe_lc.metrics import (
     device_memory_bytes, device_peak_flops, measured_matmul_peak, mfu, peak_memory_bytes, reset_peak_memory,
 )
 from moe_lc.metrics.breakdown import breakdown, component_ranges, host_breakdown, idle_share
+from moe_lc.metrics.memory import allocator_counters
 from moe_lc.model.accounting import training_flops_per_token
 from moe_lc.parallel.compile import compiled_modules
 from moe_lc.train.config import TrainConfig
@@ -103,6 +104,9 @@ class BenchResult:
     first_loss: float
     last_loss: float
     profile: Optional[Profiled] = None
+    # CUDA caching allocator per timed step (rank 0): retries (each frees the cache with a device-wide
+    # wait), cudaMalloc and cudaFree calls; None on a CPU
+    allocator_per_step: Optional[dict[str, float]] = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -157,12 +161,15 @@ def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled
     with contextlib.closing(taken_steps):
         for k in range(warmup):
             show("warm-up", k, warmup, next(taken_steps))
+        before = allocator_counters(device)
         t0 = time.perf_counter()
         timed = []
         for k in range(steps):
             timed.append(next(taken_steps))
             show("timed", k, steps, timed[-1])
         wall = time.perf_counter() - t0
+        after = allocator_counters(device)
+    allocator = None if before is None else {name: (after[name] - before[name]) / steps for name in before}
     profile_result = None
     if profiled:
         small = profiling_plan(plan)
@@ -181,7 +188,7 @@ def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled
             with contextlib.closing(full_steps):
                 profile_result.full_step_idle_share = _full_step_idle_share(full_steps, show)
     result = _result(cfg, plan, runtime, timed, wall, warmup, matmul_peak, profile_result)
-    return replace(result, precision=result.precision + _compiled_note(state.model))
+    return replace(result, precision=result.precision + _compiled_note(state.model), allocator_per_step=allocator)
 
 
 def _progress(on: bool):
@@ -331,6 +338,12 @@ def format_bench(r: BenchResult) -> str:
         f"measured matmul peak ({_rate(r.peak_tflops_measured)})",
         f"  peak memory   {memory}",
     ]
+    if r.allocator_per_step is not None:
+        a = r.allocator_per_step
+        lines.append(f"  allocator     {a['num_alloc_retries']:.1f} retries, {a['num_device_alloc']:.1f} cudaMalloc, "
+                     f"{a['num_device_free']:.1f} cudaFree a timed step"
+                     + ("; retries free the cache and wait for the GPU: PYTORCH_CUDA_ALLOC_CONF="
+                        "expandable_segments:True, or less memory (docs/training.md)" if a["num_alloc_retries"] else ""))
     if r.profile is not None:
         p = r.profile
         idle = "device idle" if r.device_type == "cuda" else "no op running"
