@@ -116,14 +116,18 @@ def _moe_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 
 @needs_cxx
-def test_a_compiled_moe_layer_routes_balances_and_combines_as_the_eager_one_and_compiles_once():
+@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
+def test_a_compiled_moe_layer_routes_balances_and_combines_as_the_eager_one_and_compiles_once(checkpointing):
     """The MoE glue compiled (router, Quantile Balancing's selection and histogram, sort, gather,
     combine) with the experts left out of the graph: same loss, gradients and balancer statistics
-    as eager over two batches that route differently, and the second batch compiles nothing."""
+    as eager over two batches that route differently, and the second batch compiles nothing; also
+    inside checkpointed layers, whose recompute must route alike and count no token twice."""
     torch._dynamo.reset()
     cfg = tiny(num_layers=3, layer_pattern="KKM")
     eager, compiled = build_model(cfg, device="cpu", seed=0), build_model(cfg, device="cpu", seed=0)
     names = apply_compile(compiled, RegionalCompile(enabled=True, targets=["moe"]))
+    for model in (eager, compiled):
+        apply_activation_checkpointing(model, ActivationCheckpointing(mode=checkpointing))
     assert names == list(_moe_layers(compiled)) and len(names) == 2  # the dense first layer has none
     gen = torch.Generator().manual_seed(2)
     torch._dynamo.utils.counters.clear()

@@ -156,6 +156,16 @@ COMMANDS: dict[str, object] = {
         "python benchmarks/compare_paths.py --recipe proxy-8k --steps 20 "
         "curriculum.stages.ctx8k.global_batch_tokens=16384 curriculum.stages.ctx8k.micro_batch=1",
         "OUT=results/gpu STEP_TIMEOUT=300 bash benchmarks/gpu_checks.sh",
+        "moe-lc bench proxy-8k model=k3-small compile.enabled=true compile.targets=[norms,attn_res,float8] "
+        "curriculum.stages.ctx8k.global_batch_tokens=65536 curriculum.stages.ctx8k.micro_batch=1 --steps 3 --warmup 2 "
+        "--profile",
+        "moe-lc bench proxy-8k model=k3-small compile.enabled=true compile.targets=[norms,attn_res,float8] "
+        "curriculum.stages.ctx8k.global_batch_tokens=65536 curriculum.stages.ctx8k.micro_batch=1 --steps 3 --warmup 2",
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True moe-lc bench proxy-8k model=k3-small compile.enabled=true "
+        "compile.targets=[norms,attn_res,float8] curriculum.stages.ctx8k.global_batch_tokens=65536 "
+        "curriculum.stages.ctx8k.micro_batch=1 --steps 3 --warmup 2",
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True moe-lc bench proxy-8k model=k3-small compile.enabled=true "
+        "curriculum.stages.ctx8k.global_batch_tokens=65536 curriculum.stages.ctx8k.micro_batch=1 --steps 3 --warmup 2",
     )},
     # launch/ comments
     "bash launch/train_single_node.sh recipe=proxy-8k": Run(PROXY + " run_dir=runs/proxy-8k", env="MAX_RESTARTS=0"),

@@ -83,7 +83,7 @@ class RegionalCompile:
     """
 
     enabled: Any = False  # true | false | auto (Any: OmegaConf has no bool-or-string type)
-    targets: List[str] = field(default_factory=lambda: ["norms", "attn_res", "float8"])
+    targets: List[str] = field(default_factory=lambda: ["norms", "attn_res", "float8", "moe"])
 
     def __post_init__(self) -> None:
         self.enabled = _parse_enabled(self.enabled)
