@@ -166,6 +166,7 @@ COMMANDS: dict[str, object] = {
         "curriculum.stages.ctx8k.micro_batch=1 --steps 3 --warmup 2",
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True moe-lc bench proxy-8k model=k3-small compile.enabled=true "
         "curriculum.stages.ctx8k.global_batch_tokens=65536 curriculum.stages.ctx8k.micro_batch=1 --steps 3 --warmup 2",
+        "python benchmarks/host_time_kda.py",
     )},
     # launch/ comments
     "bash launch/train_single_node.sh recipe=proxy-8k": Run(PROXY + " run_dir=runs/proxy-8k", env="MAX_RESTARTS=0"),
