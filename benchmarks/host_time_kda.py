@@ -2,7 +2,7 @@
 
 `moe-lc bench --profile` measured the KDA layers of k3-small taking ~1.9x their kernel time on the
 host (docs/performance.md §12.3), in a step whose GPU waits for the host. This says which part:
-the whole layer, the recurrence (`chunk_kda_from_projections`: the fused Triton KDA, also called
+the whole layer (also with `KDAConfig.fused_qkv`: q, k, v as one GEMM and one convolution), the recurrence (`chunk_kda_from_projections`: the fused Triton KDA, also called
 directly with its segmented state passes automatic and off), one short convolution and one
 projection, each timed from a drained GPU to the return of the call without
 waiting for its kernels (the host's issue time), forward and backward, plus the layer's forward
@@ -122,7 +122,15 @@ def main(argv=None) -> int:
         with autocast:
             return layer.q_proj(x)
 
-    parts = {"layer": layer_forward, "recurrence": recurrence, "short conv": conv, "projection (q)": projection}
+    fused_layer = KDAttention(args.d_model, KDAConfig(num_heads=args.heads, head_dim=128, fused_qkv=True)).to(dev)
+    fused_layer.load_state_dict(layer.state_dict())
+
+    def fused_layer_forward():  # q, k, v as one GEMM and one short convolution (KDAConfig.fused_qkv)
+        with autocast:
+            return fused_layer(x, docs)
+
+    parts = {"layer": layer_forward, "layer, fused_qkv": fused_layer_forward, "recurrence": recurrence,
+             "short conv": conv, "projection (q)": projection}
     if dev.type == "cuda":
         parts.update({"kda, segments": fused(None), "kda, no segments": fused(0)})
     print(f"KDA layer, d_model {args.d_model}, {args.heads} heads of 128, T {args.seq_len}, {args.docs} documents, "

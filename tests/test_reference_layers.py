@@ -104,6 +104,8 @@ KDA_CASES = {
                                                                output_gate="low_rank", output_gate_rank=3,
                                                                decay_rank=4),
     "bounded-gate-g_min-2-conv-3": KDAConfig(num_heads=3, head_dim=4, g_min=-2.0, conv_size=3),
+    # q, k, v as one GEMM and one convolution over the stacked channels: the same formula
+    "fused-qkv-conv-3": KDAConfig(num_heads=3, head_dim=4, conv_size=3, fused_qkv=True),
 }
 
 
@@ -275,3 +277,33 @@ def test_gated_mla_in_bf16_is_limited_by_the_attention_not_by_its_output_tail(mo
     err, err_fp32_tail = rel(y, want), rel(fp32_tail, want)
     assert err < 1e-2
     assert err_fp32_tail > 0.8 * err, (err, err_fp32_tail)
+
+
+def test_fused_qkv_is_one_convolution_and_only_for_plain_weights(monkeypatch):
+    """fused_qkv runs one short convolution over the stacked channels (the case above checks its
+    math); a projection that is not a plain nn.Linear (a float8 linear, tensor parallelism's
+    DTensor weights) keeps the three separate ones."""
+    import moe_lc.model.kda as kda_module
+    from moe_lc.model.short_conv import ShortConv
+
+    calls = []
+    real = kda_module.short_conv
+    monkeypatch.setattr(kda_module, "short_conv", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    per_module = []
+    real_forward = ShortConv.forward
+    monkeypatch.setattr(ShortConv, "forward", lambda self, *a, **k: per_module.append(1) or real_forward(self, *a, **k))
+    layer = randomize(KDAttention(D, KDA_CASES["fused-qkv-conv-3"], EPS).double(), seed=8)
+    x = inputs(1, 9, seed=3)
+    layer(x)
+    inner = layer.cfg.inner_dim
+    assert calls == [torch.Size([1, 9, 3 * inner])] and per_module == []
+
+    class OtherLinear(torch.nn.Linear):
+        pass
+
+    other = OtherLinear(D, inner, bias=False).double()
+    other.weight.data.copy_(layer.q_proj.weight)
+    layer.q_proj = other
+    calls.clear()
+    layer(x)
+    assert calls == [] and len(per_module) == 3

@@ -19,6 +19,7 @@ from moe_lc.model.norm import RMSNorm
 from moe_lc.model.short_conv import ShortConv
 from moe_lc.ops.documents import DocumentBounds
 from moe_lc.ops.kda_projections import chunk_kda_from_projections
+from moe_lc.ops.short_conv import short_conv
 
 
 class KDAttention(nn.Module):
@@ -74,14 +75,23 @@ class KDAttention(nn.Module):
     def forward(self, x: torch.Tensor, docs: Optional[DocumentBounds] = None) -> torch.Tensor:
         B, T, _ = x.shape
         K = self.cfg.head_dim  # heads are read from the shapes (-1): tensor parallelism holds H/tp of them
-        conv = dict(activation="silu", backend=self.conv_backend())  # one fused kernel with SiLU on GPUs
-        q = self.q_conv(self.q_proj(x), docs, **conv).view(B, T, -1, K)
-        k = self.k_conv(self.k_proj(x), docs, **conv).view(B, T, -1, K)
-        v = self.v_conv(self.v_proj(x), docs, **conv).view(B, T, -1, K)
+        q, k, v = (t.view(B, T, -1, K) for t in self.qkv(x, docs))
         z = self.decay_up(self.decay_down(x)).view(B, T, -1, K)
         o = self.o_norm(self.recurrence(q, k, v, z, self.beta_proj(x), docs))
         gate = torch.sigmoid(self.gate_proj(x)).view(B, T, -1, K)
         return self.o_proj((gate * o.to(gate.dtype)).reshape(B, T, -1))
+
+    def qkv(self, x: torch.Tensor, docs: Optional[DocumentBounds]) -> tuple[torch.Tensor, ...]:
+        """SiLU(ShortConv(W x)) for q, k and v [B, T, H*K]; with ``fused_qkv`` one GEMM over the stacked
+        weights and one convolution over the stacked channels (the convolution is per channel, so
+        this is the same math in three launches fewer each way)."""
+        conv = dict(activation="silu", backend=self.conv_backend())  # one fused kernel with SiLU on GPUs
+        pairs = ((self.q_proj, self.q_conv), (self.k_proj, self.k_conv), (self.v_proj, self.v_conv))
+        if not (self.cfg.fused_qkv and all(_plain_weight(p) and _plain_weight(c) for p, c in pairs)):
+            return tuple(c(p(x), docs, **conv) for p, c in pairs)
+        stacked = nn.functional.linear(x, torch.cat([p.weight for p, _ in pairs]))
+        out = short_conv(stacked, torch.cat([c.weight for _, c in pairs]), docs, **conv)
+        return out.chunk(3, dim=-1)
 
     def recurrence(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor, beta_logits: torch.Tensor,
@@ -95,3 +105,9 @@ class KDAttention(nn.Module):
         o, _ = chunk_kda_from_projections(q, k, v, z, beta_logits, self.A_log, self.dt_bias, lower_bound=lower,
                                           docs=docs, backend=self.cfg.backend)
         return o
+
+
+def _plain_weight(module: nn.Module) -> bool:
+    """A module whose weight can be stacked with others: a plain tensor (not tensor parallelism's
+    DTensor) of a plain nn.Linear or ShortConv (not a float8 linear, which computes differently)."""
+    return type(module) in (nn.Linear, ShortConv) and type(module.weight.data) is torch.Tensor
