@@ -44,6 +44,11 @@ step bench_k3_small_fp8 python -m moe_lc.cli bench proxy-8k model=k3-small preci
 step bench_k3_small_fp8_experts python -m moe_lc.cli bench proxy-8k model=k3-small precision=fp8 float8.experts=true \
     compile.enabled=true $S.global_batch_tokens=65536 $S.micro_batch=1 --steps 4 --warmup 2 --trace "$OUT/trace_k3_fp8x" \
     --json "$OUT/bench_k3_small_fp8_experts.json"
+# the KDA layer's host time part by part, with and without kda.fused_qkv (docs/performance.md §12.3)
+step host_kda python benchmarks/host_time_kda.py
+step bench_k3_small_fused_qkv python -m moe_lc.cli bench proxy-8k model=k3-small model.kda.fused_qkv=true \
+    compile.enabled=true $S.global_batch_tokens=65536 $S.micro_batch=1 --steps 4 --warmup 2 --profile \
+    --json "$OUT/bench_k3_small_fused_qkv.json"
 step bench_proxy_256k python -m moe_lc.cli bench proxy-256k curriculum.stages.ctx256k.global_batch_tokens=262144 \
     --steps 2 --warmup 1 --json "$OUT/bench_proxy_256k.json"
 step compare_paths python benchmarks/compare_paths.py --recipe proxy-8k --steps 20 $S.global_batch_tokens=16384 \
