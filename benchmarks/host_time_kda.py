@@ -2,11 +2,12 @@
 
 `moe-lc bench --profile` measured the KDA layers of k3-small taking ~1.9x their kernel time on the
 host (docs/performance.md §12.3), in a step whose GPU waits for the host. This says which part:
-the whole layer (also with `KDAConfig.fused_qkv`: q, k, v as one GEMM and one convolution), the recurrence (`chunk_kda_from_projections`: the fused Triton KDA, also called
-directly with its segmented state passes automatic and off), one short convolution and one
-projection, each timed from a drained GPU to the return of the call without
-waiting for its kernels (the host's issue time), forward and backward, plus the layer's forward
-and backward under the profiler with the ops by their own CPU time.
+the whole layer (also with `KDAConfig.fused_qkv`: q, k, v as one GEMM and one convolution), the
+recurrence (`chunk_kda_from_projections`: the fused Triton KDA, also called directly with its
+segmented state passes automatic and off), one short convolution and one projection, each timed
+from a drained GPU to the return of the call without waiting for its kernels (the host's issue
+time), forward and backward, plus the layer's forward and backward under the profiler with the
+ops by their own CPU time.
 
     python benchmarks/host_time_kda.py [--d-model 2048] [--heads 16] [--seq-len 8192] [--docs 8] [--repeats 7]
 
@@ -19,7 +20,7 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -29,30 +30,20 @@ from moe_lc.ops.documents import DocumentBounds
 from moe_lc.ops.kda_projections import chunk_kda_from_projections
 
 
-DEVICE = "cuda"
-
-
-def issue_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Median host time of ``fn`` from a drained GPU to its return (its kernels still running)."""
+def median_ms(run: Callable[[Any], object], repeats: int, prepare: Callable[[], Any] = lambda: None,
+              finish: bool = False) -> float:
+    """Median milliseconds of ``run(prepare())`` from a drained GPU to its return (the host's issue
+    time, its kernels still running) or, with ``finish``, to the end of its kernels."""
     times = []
     for _ in range(repeats):
+        prepared = prepare()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        fn()
+        run(prepared)
+        if finish:
+            torch.cuda.synchronize()
         times.append(1e3 * (time.perf_counter() - t0))
     torch.cuda.synchronize()
-    return statistics.median(times)
-
-
-def gpu_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time of ``fn`` with its kernels finished."""
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
 
 
@@ -75,12 +66,12 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("host_time_kda.py: needs a CUDA GPU", file=sys.stderr)
         return 2
-    dev = torch.device(DEVICE)
+    dev = torch.device("cuda")
     torch.manual_seed(0)
     layer = KDAttention(args.d_model, KDAConfig(num_heads=args.heads, head_dim=128)).to(dev)  # fp32 weights
     docs = document_bounds(args.seq_len, args.docs, dev)
     x = torch.randn(1, args.seq_len, args.d_model, device=dev, requires_grad=True)
-    autocast = torch.autocast(dev.type, dtype=torch.bfloat16)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
 
     def layer_forward():
         with autocast:
@@ -91,9 +82,7 @@ def main(argv=None) -> int:
 
     with autocast:  # the recurrence's inputs, as the layer makes them
         B, T, K = 1, args.seq_len, 128
-        q = layer.q_conv(layer.q_proj(x), docs, activation="silu", backend="auto").view(B, T, -1, K)
-        k = layer.k_conv(layer.k_proj(x), docs, activation="silu", backend="auto").view(B, T, -1, K)
-        v = layer.v_conv(layer.v_proj(x), docs, activation="silu", backend="auto").view(B, T, -1, K)
+        q, k, v = (t.view(B, T, -1, K) for t in layer.qkv(x, docs))
         z = layer.decay_up(layer.decay_down(x)).view(B, T, -1, K)
         beta = layer.beta_proj(x)
     leaves = [t.detach().requires_grad_() for t in (q, k, v, z, beta)]
@@ -130,27 +119,22 @@ def main(argv=None) -> int:
             return fused_layer(x, docs)
 
     parts = {"layer": layer_forward, "layer, fused_qkv": fused_layer_forward, "recurrence": recurrence,
-             "short conv": conv, "projection (q)": projection}
-    if dev.type == "cuda":
-        parts.update({"kda, segments": fused(None), "kda, no segments": fused(0)})
+             "kda, segments": fused(None), "kda, no segments": fused(0), "short conv": conv,
+             "projection (q)": projection}
     print(f"KDA layer, d_model {args.d_model}, {args.heads} heads of 128, T {args.seq_len}, {args.docs} documents, "
           f"bf16 autocast over fp32 weights, {torch.cuda.get_device_name(dev)}; median of {args.repeats}")
     print(f"{'part':<16} {'fwd host':>9} {'bwd host':>9} {'fwd+bwd GPU':>12}  (ms)")
     for name, fn in parts.items():
         for _ in range(3):  # warm-up: Triton compiles, the allocator's cache
             _fwd_bwd(fn)
-        fwd = issue_ms(fn, args.repeats)
-        bwd = []
-        for _ in range(args.repeats):
+        fwd = median_ms(lambda _: fn(), args.repeats)
+
+        def forward_and_seed():
             y = fn()
-            seed = torch.ones_like(y)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            y.backward(seed)
-            bwd.append(1e3 * (time.perf_counter() - t0))
-        torch.cuda.synchronize()
-        total = gpu_ms(lambda: _fwd_bwd(fn), args.repeats)
-        print(f"{name:<16} {fwd:>9.2f} {statistics.median(bwd):>9.2f} {total:>12.2f}")
+            return y, torch.ones_like(y)
+        bwd = median_ms(lambda pair: pair[0].backward(pair[1]), args.repeats, prepare=forward_and_seed)
+        total = median_ms(lambda _: _fwd_bwd(fn), args.repeats, finish=True)
+        print(f"{name:<16} {fwd:>9.2f} {bwd:>9.2f} {total:>12.2f}")
 
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

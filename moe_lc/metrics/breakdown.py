@@ -144,14 +144,21 @@ def _backward_seq(event: Any) -> Optional[tuple[int, int]]:
     return None
 
 
-def breakdown(events: Any, device: bool) -> dict[str, float]:
-    """Milliseconds per component from a profiler's ``events()``; ``device``: kernel times (GPU)."""
-    forward_owner: dict[tuple[int, int], str] = {}
+def _forward_owners(events: Any) -> dict[tuple[int, int], str]:
+    """(thread, sequence number) of each forward op run inside a component -> that component: what
+    a backward node, which carries its forward op's sequence number, is charged to."""
+    owners: dict[tuple[int, int], str] = {}
     for e in events:
         if e.sequence_nr >= 0 and not e.name.startswith(BACKWARD_NODE):
             owner = _innermost(e)
             if owner is not None:
-                forward_owner.setdefault((e.thread, e.sequence_nr), owner)
+                owners.setdefault((e.thread, e.sequence_nr), owner)
+    return owners
+
+
+def breakdown(events: Any, device: bool) -> dict[str, float]:
+    """Milliseconds per component from a profiler's ``events()``; ``device``: kernel times (GPU)."""
+    forward_owner = _forward_owners(events)
     totals: dict[str, float] = defaultdict(float)
     for e in events:
         if device:
@@ -203,12 +210,7 @@ def host_breakdown(events: Any) -> dict[str, float]:
     nodes inside a node). Unlike :func:`breakdown` this counts the Python between ops (a Triton
     launch, a compiled region's guards): the host's share of a step that waits for it. A node whose
     forward ran outside every component is "other"."""
-    forward_owner: dict[tuple[int, int], str] = {}
-    for e in events:
-        if e.sequence_nr >= 0 and not e.name.startswith(BACKWARD_NODE):
-            owner = _innermost(e)
-            if owner is not None:
-                forward_owner.setdefault((e.thread, e.sequence_nr), owner)
+    forward_owner = _forward_owners(events)
 
     def charged(e: Any) -> Optional[str]:  # the component a range or node bills, None: neither
         own = _own_component(e)
