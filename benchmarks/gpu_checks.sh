@@ -44,11 +44,16 @@ step bench_k3_small_fp8 python -m moe_lc.cli bench proxy-8k model=k3-small preci
 step bench_k3_small_fp8_experts python -m moe_lc.cli bench proxy-8k model=k3-small precision=fp8 float8.experts=true \
     compile.enabled=true $S.global_batch_tokens=65536 $S.micro_batch=1 --steps 4 --warmup 2 --trace "$OUT/trace_k3_fp8x" \
     --json "$OUT/bench_k3_small_fp8_experts.json"
-# the KDA layer's host time part by part, with and without kda.fused_qkv (docs/performance.md §12.3)
+# the KDA layer's host time part by part, with and without kda.fused_projections (docs/performance.md §12.3)
 step host_kda python benchmarks/host_time_kda.py
-step bench_k3_small_fused_qkv python -m moe_lc.cli bench proxy-8k model=k3-small model.kda.fused_qkv=true \
-    compile.enabled=true $S.global_batch_tokens=65536 $S.micro_batch=1 --steps 4 --warmup 2 --profile \
-    --json "$OUT/bench_k3_small_fused_qkv.json"
+# the k3-small recipe laid out for one H200 (two rows a micro-batch, every 4th layer checkpointed),
+# without the fused KDA projections, and one row a micro-batch as before: the same run's baselines
+step bench_k3_small_8k python -m moe_lc.cli bench k3-small-8k --steps 3 --warmup 2 --json "$OUT/bench_k3_small_8k.json"
+step bench_k3_small_8k_six_proj python -m moe_lc.cli bench k3-small-8k model.kda.fused_projections=false --steps 3 \
+    --warmup 2 --json "$OUT/bench_k3_small_8k_six_proj.json"
+step bench_k3_small_8k_one_row python -m moe_lc.cli bench k3-small-8k model.kda.fused_projections=false \
+    $S.micro_batch=1 "$S.activation_checkpointing={mode: none}" --steps 3 --warmup 2 \
+    --json "$OUT/bench_k3_small_8k_one_row.json"
 step bench_proxy_256k python -m moe_lc.cli bench proxy-256k curriculum.stages.ctx256k.global_batch_tokens=262144 \
     --steps 2 --warmup 1 --json "$OUT/bench_proxy_256k.json"
 step compare_paths python benchmarks/compare_paths.py --recipe proxy-8k --steps 20 $S.global_batch_tokens=16384 \

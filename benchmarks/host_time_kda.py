@@ -2,7 +2,8 @@
 
 `moe-lc bench --profile` measured the KDA layers of k3-small taking ~1.9x their kernel time on the
 host (docs/performance.md §12.3), in a step whose GPU waits for the host. This says which part:
-the whole layer (also with `KDAConfig.fused_qkv`: q, k, v as one GEMM and one convolution), the
+the whole layer (with `KDAConfig.fused_projections`, the default: x's six projections as two GEMMs
+and q, k, v's convolutions as one; and without, six projections and three convolutions), the
 recurrence (`chunk_kda_from_projections`: the fused Triton KDA, also called directly with its
 segmented state passes automatic and off), one short convolution and one projection, each timed
 from a drained GPU to the return of the call without waiting for its kernels (the host's issue
@@ -68,7 +69,8 @@ def main(argv=None) -> int:
         return 2
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    layer = KDAttention(args.d_model, KDAConfig(num_heads=args.heads, head_dim=128)).to(dev)  # fp32 weights
+    six = KDAConfig(num_heads=args.heads, head_dim=128, fused_projections=False)
+    layer = KDAttention(args.d_model, six).to(dev)  # fp32 weights
     docs = document_bounds(args.seq_len, args.docs, dev)
     x = torch.randn(1, args.seq_len, args.d_model, device=dev, requires_grad=True)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16)
@@ -82,9 +84,9 @@ def main(argv=None) -> int:
 
     with autocast:  # the recurrence's inputs, as the layer makes them
         B, T, K = 1, args.seq_len, 128
-        q, k, v = (t.view(B, T, -1, K) for t in layer.qkv(x, docs))
-        z = layer.decay_up(layer.decay_down(x)).view(B, T, -1, K)
-        beta = layer.beta_proj(x)
+        (q, k, v), (beta, decay_low, _) = layer.projections(x, docs)
+        q, k, v = (t.view(B, T, -1, K) for t in (q, k, v))
+        z = layer.decay_up(decay_low).view(B, T, -1, K)
     leaves = [t.detach().requires_grad_() for t in (q, k, v, z, beta)]
     lower = layer.cfg.g_min
 
@@ -111,14 +113,14 @@ def main(argv=None) -> int:
         with autocast:
             return layer.q_proj(x)
 
-    fused_layer = KDAttention(args.d_model, KDAConfig(num_heads=args.heads, head_dim=128, fused_qkv=True)).to(dev)
+    fused_layer = KDAttention(args.d_model, KDAConfig(num_heads=args.heads, head_dim=128)).to(dev)
     fused_layer.load_state_dict(layer.state_dict())
 
-    def fused_layer_forward():  # q, k, v as one GEMM and one short convolution (KDAConfig.fused_qkv)
+    def fused_layer_forward():  # two GEMMs and one short convolution (KDAConfig.fused_projections)
         with autocast:
             return fused_layer(x, docs)
 
-    parts = {"layer": layer_forward, "layer, fused_qkv": fused_layer_forward, "recurrence": recurrence,
+    parts = {"layer, six proj.": layer_forward, "layer (fused)": fused_layer_forward, "recurrence": recurrence,
              "kda, segments": fused(None), "kda, no segments": fused(0), "short conv": conv,
              "projection (q)": projection}
     print(f"KDA layer, d_model {args.d_model}, {args.heads} heads of 128, T {args.seq_len}, {args.docs} documents, "

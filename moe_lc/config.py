@@ -35,10 +35,11 @@ class KDAConfig:
     output_gate_rank: Optional[int] = None  # for low_rank; None = head_dim
     conv_size: int = 4
     backend: str = "auto"  # chunked-op backend: auto | torch | triton | fla
-    # q, k, v projections as one GEMM and their short convolutions as one (depthwise: the same math
-    # over the stacked channels): fewer launches for a layer that is host-bound at 8K on an H200
-    # (docs/performance.md §12.3); plain weights only (not tp's DTensors, not float8 linears)
-    fused_qkv: bool = False
+    # the six projections of x as two GEMMs (q, k, v stacked, and beta, decay and gate stacked) and
+    # q, k, v's short convolutions as one (depthwise: the same math over the stacked channels): fewer
+    # launches for a layer that is host-bound at 8K on an H200 (docs/performance.md §12.3); plain
+    # weights only (not tp's DTensors, not float8 linears, which keep six projections)
+    fused_projections: bool = True
 
     @property
     def inner_dim(self) -> int:

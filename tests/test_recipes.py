@@ -18,7 +18,7 @@ from moe_lc.train.plan import estimate_stage, plan_text
 from moe_lc.train.recipes import available_options, available_recipes, compose_recipe, config_to_dict, recipes_dir
 
 SHIPPED = {"smoke", "proxy-8k", "proxy-64k", "proxy-256k", "proxy-1m", "proxy-curriculum",
-           "k3-8k", "k3-64k", "k3-256k", "k3-1m"}
+           "k3-8k", "k3-64k", "k3-256k", "k3-1m", "k3-small-8k"}
 
 
 def test_shipped_recipes_and_groups_exist():

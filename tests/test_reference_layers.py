@@ -104,8 +104,9 @@ KDA_CASES = {
                                                                output_gate="low_rank", output_gate_rank=3,
                                                                decay_rank=4),
     "bounded-gate-g_min-2-conv-3": KDAConfig(num_heads=3, head_dim=4, g_min=-2.0, conv_size=3),
-    # q, k, v as one GEMM and one convolution over the stacked channels: the same formula
-    "fused-qkv-conv-3": KDAConfig(num_heads=3, head_dim=4, conv_size=3, fused_qkv=True),
+    # the cases above run the default fused projections (two GEMMs, one convolution over the stacked
+    # channels); this one runs the six projections and three convolutions one by one: the same formula
+    "six-projections-conv-3": KDAConfig(num_heads=3, head_dim=4, conv_size=3, fused_projections=False),
 }
 
 
@@ -279,31 +280,55 @@ def test_gated_mla_in_bf16_is_limited_by_the_attention_not_by_its_output_tail(mo
     assert err_fp32_tail > 0.8 * err, (err, err_fp32_tail)
 
 
-def test_fused_qkv_is_one_convolution_and_only_for_plain_weights(monkeypatch):
-    """fused_qkv runs one short convolution over the stacked channels (the case above checks its
-    math); a projection that is not a plain nn.Linear (a float8 linear, tensor parallelism's
-    DTensor weights) keeps the three separate ones."""
+def test_fused_projections_are_two_gemms_and_one_convolution_for_plain_weights(monkeypatch):
+    """fused_projections (the cases above check its math) runs the six projections of x as two GEMMs
+    and one short convolution over the stacked channels; a group whose projections are not all
+    plain nn.Linears (float8 linears, tensor parallelism's DTensor weights) keeps its own calls."""
     import moe_lc.model.kda as kda_module
     from moe_lc.model.short_conv import ShortConv
 
-    calls = []
-    real = kda_module.short_conv
-    monkeypatch.setattr(kda_module, "short_conv", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    convs, linears = [], []
+    real_conv, real_linear = kda_module.short_conv, torch.nn.functional.linear
+    monkeypatch.setattr(kda_module, "short_conv", lambda *a, **k: convs.append(a[0].shape[-1]) or real_conv(*a, **k))
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda x, w, *a: linears.append(w.shape[0]) or real_linear(x, w, *a))
     per_module = []
     real_forward = ShortConv.forward
     monkeypatch.setattr(ShortConv, "forward", lambda self, *a, **k: per_module.append(1) or real_forward(self, *a, **k))
-    layer = randomize(KDAttention(D, KDA_CASES["fused-qkv-conv-3"], EPS).double(), seed=8)
+    cfg = KDAConfig(num_heads=3, head_dim=4, conv_size=3)
+    layer = randomize(KDAttention(D, cfg, EPS).double(), seed=8)
     x = inputs(1, 9, seed=3)
-    layer(x)
-    inner = layer.cfg.inner_dim
-    assert calls == [torch.Size([1, 9, 3 * inner])] and per_module == []
+    want = layer(x)
+    inner, H, K = cfg.inner_dim, cfg.num_heads, cfg.head_dim
+    # stacked q, k, v; stacked beta, decay down, gate; decay up; o_proj
+    assert convs == [3 * inner] and per_module == [] and linears == [3 * inner, H + K + inner, inner, D]
 
     class OtherLinear(torch.nn.Linear):
         pass
 
-    other = OtherLinear(D, inner, bias=False).double()
-    other.weight.data.copy_(layer.q_proj.weight)
-    layer.q_proj = other
-    calls.clear()
-    layer(x)
-    assert calls == [] and len(per_module) == 3
+    for name in ("q_proj", "beta_proj"):
+        other = OtherLinear(D, getattr(layer, name).out_features, bias=False).double()
+        other.weight.data.copy_(getattr(layer, name).weight)
+        setattr(layer, name, other)
+        convs.clear(), linears.clear(), per_module.clear()
+        got = layer(x)
+        assert rel(got, want) < FLOAT64_RTOL
+        if name == "q_proj":  # q, k, v one by one, the small group still stacked
+            assert convs == [] and len(per_module) == 3 and linears == [inner] * 3 + [H + K + inner, inner, D]
+        else:  # both groups one by one
+            assert convs == [] and len(per_module) == 3 and linears == [inner] * 3 + [H, K, inner, inner, D]
+
+
+def test_fused_projections_under_autocast_match_the_six_projections():
+    """Under bf16 autocast the fused path casts x once and gives the six projections' result within
+    bf16 rounding (both round the same bf16 operands; only the order of the sums may differ)."""
+    torch.manual_seed(0)
+    fused = KDAttention(D, KDAConfig(num_heads=2, head_dim=8), EPS)
+    six = KDAttention(D, KDAConfig(num_heads=2, head_dim=8, fused_projections=False), EPS)
+    six.load_state_dict(fused.state_dict())
+    x = torch.randn(1, 21, D)
+    cu = torch.tensor(CU, dtype=torch.int32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = fused(x, **packed(cu)), six(x, **packed(cu))
+    assert a.dtype == b.dtype == torch.bfloat16
+    assert rel(a.float(), b.float()) < 4 * torch.finfo(torch.bfloat16).eps

@@ -18,6 +18,7 @@ from moe_lc.config import KDAConfig
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.short_conv import ShortConv
 from moe_lc.ops.documents import DocumentBounds
+from moe_lc.ops.grouped_experts import autocast_operands
 from moe_lc.ops.kda_projections import chunk_kda_from_projections
 from moe_lc.ops.short_conv import short_conv
 
@@ -75,23 +76,42 @@ class KDAttention(nn.Module):
     def forward(self, x: torch.Tensor, docs: Optional[DocumentBounds] = None) -> torch.Tensor:
         B, T, _ = x.shape
         K = self.cfg.head_dim  # heads are read from the shapes (-1): tensor parallelism holds H/tp of them
-        q, k, v = (t.view(B, T, -1, K) for t in self.qkv(x, docs))
-        z = self.decay_up(self.decay_down(x)).view(B, T, -1, K)
-        o = self.o_norm(self.recurrence(q, k, v, z, self.beta_proj(x), docs))
-        gate = torch.sigmoid(self.gate_proj(x)).view(B, T, -1, K)
+        (q, k, v), (beta_logits, decay_low, gate_low) = self.projections(x, docs)
+        q, k, v = (t.view(B, T, -1, K) for t in (q, k, v))
+        z = self.decay_up(decay_low).view(B, T, -1, K)
+        o = self.o_norm(self.recurrence(q, k, v, z, beta_logits, docs))
+        gate = torch.sigmoid(self.gate_proj[1](gate_low) if len(self.gate_proj) > 1 else gate_low).view(B, T, -1, K)
         return self.o_proj((gate * o.to(gate.dtype)).reshape(B, T, -1))
 
-    def qkv(self, x: torch.Tensor, docs: Optional[DocumentBounds]) -> tuple[torch.Tensor, ...]:
-        """SiLU(ShortConv(W x)) for q, k and v [B, T, H*K]; with ``fused_qkv`` one GEMM over the stacked
-        weights and one convolution over the stacked channels (the convolution is per channel, so
-        this is the same math in three launches fewer each way)."""
+    def projections(
+        self, x: torch.Tensor, docs: Optional[DocumentBounds]
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Everything the layer computes from x: SiLU(ShortConv(W x)) for q, k and v [B, T, H*K], and
+        the beta logits, the decay's and the output gate's first projections.
+
+        With ``fused_projections`` the six projections are two GEMMs: one over q, k, v's stacked
+        weights, whose output the convolution takes as it is (it is per channel, so one convolution
+        over the stacked channels is the same math), and one over the three small ones; x is cast to
+        autocast's dtype once instead of once per projection (and kept once for backward), and its
+        gradient is two GEMMs' sum instead of six. A group fuses only where its weights are plain
+        (``_plain_weight``): float8 linears and tensor parallelism's shards keep their own calls.
+        """
         conv = dict(activation="silu", backend=self.conv_backend())  # one fused kernel with SiLU on GPUs
-        pairs = ((self.q_proj, self.q_conv), (self.k_proj, self.k_conv), (self.v_proj, self.v_conv))
-        if not (self.cfg.fused_qkv and all(_plain_weight(p) and _plain_weight(c) for p, c in pairs)):
-            return tuple(c(p(x), docs, **conv) for p, c in pairs)
-        stacked = nn.functional.linear(x, torch.cat([p.weight for p, _ in pairs]))
-        out = short_conv(stacked, torch.cat([c.weight for _, c in pairs]), docs, **conv)
-        return out.chunk(3, dim=-1)
+        qkv = ((self.q_proj, self.q_conv), (self.k_proj, self.k_conv), (self.v_proj, self.v_conv))
+        small = (self.beta_proj, self.decay_down, self.gate_proj[0])
+        fuse_qkv = self.cfg.fused_projections and all(_plain_weight(m) for pair in qkv for m in pair)
+        fuse_small = self.cfg.fused_projections and all(_plain_weight(m) for m in small)
+        if fuse_qkv or fuse_small:
+            x, = autocast_operands(x)  # once, not once per projection
+        if fuse_qkv:
+            stacked = nn.functional.linear(x, torch.cat([p.weight for p, _ in qkv]))
+            q, k, v = short_conv(stacked, torch.cat([c.weight for _, c in qkv]), docs, **conv).chunk(3, dim=-1)
+        else:
+            q, k, v = (c(p(x), docs, **conv) for p, c in qkv)
+        if fuse_small:
+            rest = nn.functional.linear(x, torch.cat([p.weight for p in small]))
+            return (q, k, v), tuple(rest.split([p.out_features for p in small], dim=-1))
+        return (q, k, v), tuple(p(x) for p in small)
 
     def recurrence(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor, beta_logits: torch.Tensor,

@@ -161,7 +161,9 @@ def _kda(t: _Tally, cfg: ModelConfig, path: ExecutionPath) -> None:
 
 
 def _kda_readers(cfg: ModelConfig) -> int:
-    return 6  # q, k, v, beta, decay_down and the (first) gate projection read the normed input
+    """Casts of the normed input kept: q, k, v, beta, decay_down and the (first) gate projection each
+    cast it under autocast, unless ``fused_projections`` casts it once for all six."""
+    return 1 if cfg.kda.fused_projections else 6
 
 
 def _mla(t: _Tally, cfg: ModelConfig, path: ExecutionPath) -> None:
