@@ -167,6 +167,13 @@ COMMANDS: dict[str, object] = {
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True moe-lc bench proxy-8k model=k3-small compile.enabled=true "
         "curriculum.stages.ctx8k.global_batch_tokens=65536 curriculum.stages.ctx8k.micro_batch=1 --steps 3 --warmup 2",
         "python benchmarks/host_time_kda.py",
+        "moe-lc bench k3-small-8k --steps 3 --warmup 2",
+        "moe-lc bench k3-small-8k model.kda.fused_projections=false --steps 3 --warmup 2",
+        "moe-lc bench k3-small-8k model.kda.fused_projections=false curriculum.stages.ctx8k.micro_batch=1 "
+        '"curriculum.stages.ctx8k.activation_checkpointing={mode: none}" --steps 3 --warmup 2',
+        "python benchmarks/compare_precisions.py --recipe proxy-8k --steps 200 --a precision=bf16 --b precision=fp8 "
+        "--out results/precisions model=k3-small compile.enabled=true curriculum.stages.ctx8k.global_batch_tokens=8192 "
+        "curriculum.stages.ctx8k.micro_batch=1",
     )},
     # launch/ comments
     "bash launch/train_single_node.sh recipe=proxy-8k": Run(PROXY + " run_dir=runs/proxy-8k", env="MAX_RESTARTS=0"),
