@@ -54,6 +54,8 @@ step bench_k3_small_8k_six_proj python -m moe_lc.cli bench k3-small-8k model.kda
 step bench_k3_small_8k_one_row python -m moe_lc.cli bench k3-small-8k model.kda.fused_projections=false \
     $S.micro_batch=1 "$S.activation_checkpointing={mode: none}" --steps 3 --warmup 2 \
     --json "$OUT/bench_k3_small_8k_one_row.json"
+# the routed experts' grouped GEMMs, bf16 against float8, per GEMM (docs/performance.md §12.3)
+step expert_gemms python benchmarks/bench_expert_gemms.py
 step bench_proxy_256k python -m moe_lc.cli bench proxy-256k curriculum.stages.ctx256k.global_batch_tokens=262144 \
     --steps 2 --warmup 1 --json "$OUT/bench_proxy_256k.json"
 step compare_paths python benchmarks/compare_paths.py --recipe proxy-8k --steps 20 $S.global_batch_tokens=16384 \

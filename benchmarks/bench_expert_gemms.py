@@ -1,0 +1,124 @@
+"""The routed experts' grouped GEMMs in bf16 against float8 (``float8.experts=true``), per GEMM.
+
+`moe-lc bench --trace` gives the dense GEMMs' float8 speed-up from the profiler's shape table; the
+experts' float8 path is one op of several kernels (row-wise scales, casts, the scaled grouped GEMM,
+and the padding of each expert's rows to multiples of 16), so it is timed here on its own, at a
+preset's expert shapes, as training runs it: fp32 master weights, bf16 activations, the bf16 path
+casting the stacked weights to bf16 as autocast does.
+
+    python benchmarks/bench_expert_gemms.py [--preset k3-small] [--tokens 8192] [--repeats 20]
+
+Rows: each of the three GEMMs forward, and forward + backward (dx and dW), then the whole GLU
+(three GEMMs, SiTU, and for float8 the padding) forward + backward; milliseconds of GPU time per
+call, from CUDA events around back-to-back calls. The router's counts are drawn at random around
+the balanced load (Quantile Balancing keeps them near it). Needs a GPU with FP8 tensor cores and
+torchao.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+import torch
+
+from moe_lc.ops.grouped_experts import expert_offsets, grouped_glu_mm
+from moe_lc.ops.grouped_experts_float8 import (float8_grouped_mm, float8_unsupported_reason, pad_groups,
+                                               padded_grouped_glu)
+from moe_lc.ops.situ_glu import glu_activation
+from moe_lc.presets import get_preset
+
+
+def gpu_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Milliseconds of GPU time per call of ``fn`` over ``repeats`` back-to-back calls."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def forward_backward(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Callable[[], None]:
+    def call() -> None:
+        for t in leaves:
+            t.grad = None
+        y = fn()
+        y.backward(torch.ones_like(y))
+    return call
+
+
+def balanced_counts(rows: int, experts: int, gen: torch.Generator) -> torch.Tensor:
+    """Random counts near rows / experts (multinomial over uniform experts), summing to ``rows``."""
+    return torch.bincount(torch.randint(0, experts, (rows,), generator=gen), minlength=experts)
+
+
+def padded_grouped_glu_one(inp: torch.Tensor, w: torch.Tensor, gmm, offsets: torch.Tensor) -> torch.Tensor:
+    """One float8 grouped GEMM as the experts' path runs it: rows padded per expert, then the GEMM."""
+    padded, padded_ends, new_index = pad_groups(inp, offsets)
+    return gmm(padded, w.transpose(-2, -1), padded_ends).index_select(0, new_index)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="k3-small")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_expert_gemms.py: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    moe = get_preset(args.preset).moe
+    E, d, h, rows = moe.num_routed, moe.latent_dim, moe.expert_hidden, args.tokens * moe.top_k
+    gen = torch.Generator().manual_seed(0)
+    offsets = expert_offsets(balanced_counts(rows, E, gen), dev)
+    x = torch.randn(rows, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w_gate, w_in = (torch.randn(E, h, d, device=dev) * d ** -0.5 for _ in range(2))
+    w_out = torch.randn(E, d, h, device=dev) * h ** -0.5
+    for w in (w_gate, w_in, w_out):
+        w.requires_grad_(True)
+    reason = float8_unsupported_reason(x, w_gate)
+    if reason is not None:
+        print(f"bench_expert_gemms.py: {reason}", file=sys.stderr)
+        return 2
+    fp8 = float8_grouped_mm()
+    hidden_in = torch.randn(rows, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+
+    def bf16_gemm(inp, w):  # autocast's cast of the fp32 master weights, then the grouped GEMM
+        return lambda: torch._grouped_mm(inp, w.to(torch.bfloat16).transpose(-2, -1), offs=offsets)
+
+    def fp8_gemm(inp, w):  # the float8 path pads every expert's rows to multiples of 16 first
+        return lambda: padded_grouped_glu_one(inp, w, fp8, offsets)
+
+    act = lambda a, c: glu_activation(a, c, moe.activation, moe.situ_beta1, moe.situ_beta2)  # noqa: E731
+    gemms = {
+        f"gate  [{rows}, {d}] x [{E}, {d}, {h}]": (x, w_gate),
+        f"in    [{rows}, {d}] x [{E}, {d}, {h}]": (x, w_in),
+        f"out   [{rows}, {h}] x [{E}, {h}, {d}]": (hidden_in, w_out),
+    }
+    print(f"{args.preset} routed experts: {E} experts, {rows} rows ({args.tokens} tokens x top-{moe.top_k}), "
+          f"{torch.cuda.get_device_name(dev)}; ms of GPU time per call")
+    print(f"{'GEMM':<40} {'bf16 fwd':>9} {'fp8 fwd':>9} {'x':>6} {'bf16 f+b':>9} {'fp8 f+b':>9} {'x':>6}")
+    for name, (inp, w) in gemms.items():
+        leaves = [inp, w]
+        fwd = [gpu_ms(make(inp, w), args.repeats) for make in (bf16_gemm, fp8_gemm)]
+        both = [gpu_ms(forward_backward(make(inp, w), leaves), args.repeats) for make in (bf16_gemm, fp8_gemm)]
+        print(f"{name:<40} {fwd[0]:9.3f} {fwd[1]:9.3f} {fwd[0] / fwd[1]:6.2f} {both[0]:9.3f} {both[1]:9.3f} "
+              f"{both[0] / both[1]:6.2f}")
+    leaves = [x, w_gate, w_in, w_out]
+    bf16_glu = lambda: grouped_glu_mm(x, offsets, *(w.to(torch.bfloat16) for w in (w_gate, w_in, w_out)), act)  # noqa: E731
+    fp8_glu = lambda: padded_grouped_glu(x, offsets, w_gate, w_in, w_out, act, fp8)  # noqa: E731
+    glu = [gpu_ms(forward_backward(fn, leaves), args.repeats) for fn in (bf16_glu, fp8_glu)]
+    print(f"{'whole GLU (3 GEMMs, ' + moe.activation + '), fwd+bwd':<40} {'':>9} {'':>9} {'':>6} {glu[0]:9.3f} "
+          f"{glu[1]:9.3f} {glu[0] / glu[1]:6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
