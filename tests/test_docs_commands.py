@@ -168,6 +168,7 @@ COMMANDS: dict[str, object] = {
         "curriculum.stages.ctx8k.global_batch_tokens=65536 curriculum.stages.ctx8k.micro_batch=1 --steps 3 --warmup 2",
         "python benchmarks/host_time_kda.py",
         "moe-lc bench k3-small-8k --steps 3 --warmup 2",
+        "python benchmarks/bench_expert_gemms.py",
         "moe-lc bench k3-small-8k model.kda.fused_projections=false --steps 3 --warmup 2",
         "moe-lc bench k3-small-8k model.kda.fused_projections=false curriculum.stages.ctx8k.micro_batch=1 "
         '"curriculum.stages.ctx8k.activation_checkpointing={mode: none}" --steps 3 --warmup 2',
