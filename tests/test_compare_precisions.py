@@ -1,7 +1,7 @@
 """benchmarks/compare_precisions.py (the FP8-against-BF16 curves and the resume across precisions)
 on the CPU with fp32 against bf16: same batches in both runs, each resume starts from the other
 run's checkpoint in its own precision, the numbers it reports are the runs' own, and it fails
-when the curves differ by more than its tolerance."""
+when the curves' later-half means differ by more than its tolerance."""
 
 from __future__ import annotations
 
@@ -73,6 +73,12 @@ def test_two_precisions_and_the_resume_across_them(script, tmp_path, capsys):
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rel = [abs(y - x) / x for x, y in zip(summary["loss_a"], summary["loss_b"])]
     assert summary["max_rel_diff_per_step"] == pytest.approx(max(rel), rel=1e-12)
+    # the verdict: the means of steps 3-4 (the later half), and the paired differences' standard error
+    diffs = [y - x for x, y in zip(summary["loss_a"][2:], summary["loss_b"][2:])]
+    mean_a = (summary["loss_a"][2] + summary["loss_a"][3]) / 2
+    assert summary["rel_diff_of_later_half_means"] == pytest.approx((diffs[0] + diffs[1]) / 2 / mean_a, rel=1e-12)
+    assert summary["rel_diff_of_later_half_means_se"] == pytest.approx(abs(diffs[0] - diffs[1]) / 2 / mean_a,
+                                                                       rel=1e-12)
 
 
 @pytest.mark.usefixtures("shared_corpus_cache")
@@ -81,5 +87,5 @@ def test_curves_further_apart_than_the_tolerance_fail(script, tmp_path):
                       "--out", str(tmp_path / "cmp"), "--window", "1", "--tolerance", "1e-9", *SMALL])
     assert rc == 1
     summary = json.loads((tmp_path / "cmp" / "summary.json").read_text())
-    assert summary["max_rel_diff_of_window_means"] > 1e-9 and summary["resume"] == []
+    assert abs(summary["rel_diff_of_later_half_means"]) > 1e-9 and summary["resume"] == []
     assert not (tmp_path / "cmp" / "a" / "checkpoints").exists()  # nothing to resume: nothing saved

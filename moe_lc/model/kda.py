@@ -21,6 +21,7 @@ from moe_lc.ops.documents import DocumentBounds
 from moe_lc.ops.grouped_experts import autocast_operands
 from moe_lc.ops.kda_projections import chunk_kda_from_projections
 from moe_lc.ops.short_conv import short_conv
+from moe_lc.ops.stacked_linear import stacked_linear
 
 
 class KDAttention(nn.Module):
@@ -104,12 +105,12 @@ class KDAttention(nn.Module):
         if fuse_qkv or fuse_small:
             x, = autocast_operands(x)  # once, not once per projection
         if fuse_qkv:
-            stacked = nn.functional.linear(x, torch.cat([p.weight for p, _ in qkv]))
+            stacked = stacked_linear(x, [p.weight for p, _ in qkv])
             q, k, v = short_conv(stacked, torch.cat([c.weight for _, c in qkv]), docs, **conv).chunk(3, dim=-1)
         else:
             q, k, v = (c(p(x), docs, **conv) for p, c in qkv)
         if fuse_small:
-            rest = nn.functional.linear(x, torch.cat([p.weight for p in small]))
+            rest = stacked_linear(x, [p.weight for p in small])
             return (q, k, v), tuple(rest.split([p.out_features for p in small], dim=-1))
         return (q, k, v), tuple(p(x) for p in small)
 

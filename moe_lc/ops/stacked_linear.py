@@ -1,0 +1,38 @@
+"""Several linear maps of one input as one GEMM: y = x [W_1; ...; W_n]^T, split by the caller.
+
+One GEMM instead of n launches each way, and x's gradient is one GEMM instead of a sum of n. The
+stacked matrix is a concatenation of the weights, made again in backward rather than kept: the
+forward saves x and the weights themselves (parameters, or autocast's casts of them, which the n
+separate linears would keep too), so stacking adds no stored bytes per micro-batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moe_lc.ops.grouped_experts import autocast_operands
+
+
+class _StackedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, *weights: Tensor) -> Tensor:
+        ctx.save_for_backward(x, *weights)
+        return F.linear(x, torch.cat(weights))
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, *weights = ctx.saved_tensors
+        dx = dy @ torch.cat(weights) if ctx.needs_input_grad[0] else None
+        if not any(ctx.needs_input_grad[1:]):
+            return dx, *(None for _ in weights)
+        dw = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        return dx, *dw.split([w.shape[0] for w in weights])
+
+
+def stacked_linear(x: Tensor, weights: list[Tensor]) -> Tensor:
+    """x [..., d] times each weight [n_i, d] transposed, as one [..., sum n_i] output; under autocast
+    the operands are cast to its dtype first, as autocast casts a linear's."""
+    x, *weights = autocast_operands(x, *weights)
+    return _StackedLinear.apply(x, *weights)

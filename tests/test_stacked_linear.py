@@ -1,0 +1,40 @@
+"""stacked_linear: several linear maps of one input as one GEMM, against the maps one by one in
+float64 (outputs and every gradient), and what its forward keeps for backward: x and the weights
+themselves, never a stacked copy."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_lc.ops.stacked_linear import stacked_linear
+from reference_checks import F64, assert_matches
+
+
+def operands(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 5, 7, generator=gen, dtype=F64).requires_grad_(True)
+    weights = [torch.randn(n, 7, generator=gen, dtype=F64).requires_grad_(True) for n in (3, 1, 4)]
+    return x, weights
+
+
+def test_stacked_linear_is_the_maps_side_by_side():
+    x, weights = operands()
+    leaves = {"x": x, **{f"w{i}": w for i, w in enumerate(weights)}}
+    assert_matches(lambda: stacked_linear(x, weights), lambda: torch.cat([x @ w.T for w in weights], dim=-1), leaves)
+
+
+def test_stacked_linear_keeps_x_and_the_weights_not_their_concatenation():
+    x, weights = operands(1)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = stacked_linear(x, weights)
+    assert {t.data_ptr() for t in saved} == {t.data_ptr() for t in (x, *weights)}
+    y.sum().backward()  # and the gradients still reach every weight
+    assert all(w.grad is not None and w.grad.shape == w.shape for w in weights)
+
+
+def test_stacked_linear_under_autocast_computes_in_its_dtype():
+    x, weights = operands(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = stacked_linear(x.float(), [w.float() for w in weights])
+    assert y.dtype == torch.bfloat16
