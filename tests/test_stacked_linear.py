@@ -33,8 +33,17 @@ def test_stacked_linear_keeps_x_and_the_weights_not_their_concatenation():
     assert all(w.grad is not None and w.grad.shape == w.shape for w in weights)
 
 
-def test_stacked_linear_under_autocast_computes_in_its_dtype():
+def test_stacked_linear_under_autocast_keeps_one_cast_of_the_stacked_weights():
+    """Under autocast over fp32 weights the separate linears would keep a bf16 cast of each weight;
+    the stacked one keeps one bf16 cast of the stacked matrix instead: the same bytes."""
     x, weights = operands(2)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = stacked_linear(x.float(), [w.float() for w in weights])
+    x, weights = x.detach().float().requires_grad_(True), [w.detach().float().requires_grad_(True) for w in weights]
+    saved = []
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = stacked_linear(x, weights)
     assert y.dtype == torch.bfloat16
+    assert sorted((tuple(t.shape), t.dtype) for t in saved) == sorted([((10, 7), torch.bfloat16),
+                                                                     ((7, 8), torch.bfloat16)])  # W^T
+    y.float().sum().backward()
+    assert all(w.grad is not None and w.grad.dtype == torch.float32 for w in weights)

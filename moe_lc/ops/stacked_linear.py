@@ -1,9 +1,12 @@
 """Several linear maps of one input as one GEMM: y = x [W_1; ...; W_n]^T, split by the caller.
 
-One GEMM instead of n launches each way, and x's gradient is one GEMM instead of a sum of n. The
-stacked matrix is a concatenation of the weights, made again in backward rather than kept: the
-forward saves x and the weights themselves (parameters, or autocast's casts of them, which the n
-separate linears would keep too), so stacking adds no stored bytes per micro-batch.
+One GEMM instead of n launches each way, and x's gradient is one GEMM instead of a sum of n.
+Stacking must not add stored bytes. Under autocast over wider weights, the n separate linears
+would each keep their bf16 cast of the weight for backward; here the fp32 weights are concatenated
+and cast once, and that one bf16 matrix is what is kept (the same bytes, two launches). Without a
+cast (fp32 weights in fp32, bf16 weights in bf16) a concatenation would be a copy the separate
+linears never make, so the forward keeps x and the weights themselves and backward concatenates
+them again.
 """
 
 from __future__ import annotations
@@ -34,5 +37,8 @@ class _StackedLinear(torch.autograd.Function):
 def stacked_linear(x: Tensor, weights: list[Tensor]) -> Tensor:
     """x [..., d] times each weight [n_i, d] transposed, as one [..., sum n_i] output; under autocast
     the operands are cast to its dtype first, as autocast casts a linear's."""
-    x, *weights = autocast_operands(x, *weights)
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type) and weights[0].dtype != torch.get_autocast_dtype(device_type):
+        x, stacked = autocast_operands(x, torch.cat(weights))
+        return F.linear(x, stacked)
     return _StackedLinear.apply(x, *weights)
