@@ -47,3 +47,15 @@ def test_stacked_linear_under_autocast_keeps_one_cast_of_the_stacked_weights():
                                                                      ((7, 8), torch.bfloat16)])  # W^T
     y.float().sum().backward()
     assert all(w.grad is not None and w.grad.dtype == torch.float32 for w in weights)
+
+
+def test_stacked_linear_under_autocast_with_weights_already_in_its_dtype():
+    """bf16 weights and an fp32 input under bf16 autocast: no concatenated copy is kept, and the
+    backward (which runs without autocast) gets operands of one dtype."""
+    x, weights = operands(3)
+    x, weights = x.detach().float().requires_grad_(True), [w.detach().bfloat16().requires_grad_(True) for w in weights]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = stacked_linear(x, weights)
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.float32
+    assert all(w.grad is not None and w.grad.dtype == torch.bfloat16 for w in weights)

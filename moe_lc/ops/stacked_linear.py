@@ -38,7 +38,9 @@ def stacked_linear(x: Tensor, weights: list[Tensor]) -> Tensor:
     """x [..., d] times each weight [n_i, d] transposed, as one [..., sum n_i] output; under autocast
     the operands are cast to its dtype first, as autocast casts a linear's."""
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type) and weights[0].dtype != torch.get_autocast_dtype(device_type):
-        x, stacked = autocast_operands(x, torch.cat(weights))
-        return F.linear(x, stacked)
+    if torch.is_autocast_enabled(device_type):
+        if weights[0].dtype != torch.get_autocast_dtype(device_type):
+            x, stacked = autocast_operands(x, torch.cat(weights))
+            return F.linear(x, stacked)
+        x, = autocast_operands(x)  # backward runs without autocast: its operands must agree already
     return _StackedLinear.apply(x, *weights)
