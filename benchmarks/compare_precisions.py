@@ -166,15 +166,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                 shutil.rmtree(args.out / source / "checkpoints", ignore_errors=True)
 
     steps = sorted(set(a) & set(b))
-    rel = [relative(b[s]["loss"], a[s]["loss"]) for s in steps]
+    curve_a, curve_b = [a[s]["loss"] for s in steps], [b[s]["loss"] for s in steps]
+    rel = [relative(y, x) for x, y in zip(curve_a, curve_b)]
     window = min(args.window, len(steps))
-    windows = [relative(y, x) for x, y in zip(window_means([a[s]["loss"] for s in steps], window),
-                                              window_means([b[s]["loss"] for s in steps], window))]
-    later, later_se = later_half_difference([a[s]["loss"] for s in steps], [b[s]["loss"] for s in steps])
+    windows = [relative(y, x) for x, y in zip(window_means(curve_a, window), window_means(curve_b, window))]
+    later, later_se = later_half_difference(curve_a, curve_b)
     tok_a, tok_b = (median_after(r, "tokens_per_s", args.skip) for r in (a, b))
     summary = dict(
         recipe=args.recipe, overrides=overrides, a=args.a, b=args.b, steps=steps,
-        loss_a=[a[s]["loss"] for s in steps], loss_b=[b[s]["loss"] for s in steps],
+        loss_a=curve_a, loss_b=curve_b,
         max_rel_diff_per_step=max(rel), window=window, max_rel_diff_of_window_means=max(windows),
         rel_diff_of_later_half_means=later, rel_diff_of_later_half_means_se=later_se,
         tokens_per_s_a=tok_a, tokens_per_s_b=tok_b,
