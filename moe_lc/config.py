@@ -109,6 +109,10 @@ class ModelConfig:
     attn_res: AttnResConfig = field(default_factory=AttnResConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     mtp: bool = False  # one multi-token-prediction layer
+    # Under autocast the token embedding enters the residual stream in autocast's dtype, like every
+    # sublayer's output; true keeps it in the weights' dtype (fp32), which makes every AttnRes
+    # mixture fp32 and every sublayer input one more cast (docs/design.md, "Precision").
+    fp32_embedding: bool = False
     norm_eps: float = 1e-6
     init_std: float = 0.02
 

@@ -65,6 +65,22 @@ def test_attn_res_block_sources_follow_block_size():
     assert torch.allclose(s.partial, torch.full_like(emb, 4 + 40))
 
 
+@pytest.mark.parametrize("mode", ["block", "none"])
+def test_under_autocast_the_embedding_enters_the_stream_in_autocasts_dtype_unless_fp32_embedding(mode):
+    """The stream's other sources are sublayer outputs in autocast's dtype; an fp32 embedding would make
+    every mixture (and every sublayer input) fp32. ``fp32_embedding`` keeps the weights' dtype; without
+    autocast nothing changes."""
+    ids = torch.tensor([[1, 2, 3, 4]])
+    for fp32_embedding, want in ((False, torch.bfloat16), (True, torch.float32)):
+        model = build_model(tiny(**{"attn_res.mode": mode, "fp32_embedding": fp32_embedding}), seed=0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            stream = model.start_stream(ids)
+        first = stream.all_sources()[0] if mode == "block" else stream.partial
+        assert first.dtype == want
+        assert torch.equal(first, model.embed.weight[ids].to(want))
+        assert model.start_stream(ids).all_sources()[0].dtype == torch.float32
+
+
 def test_attn_res_none_is_plain_residual():
     cfg = tiny(**{"attn_res.mode": "none"})
     model = build_model(cfg, seed=0).double()

@@ -20,7 +20,8 @@ from moe_lc.model.init import build_model
 from moe_lc.model.moe import RoutedExperts
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing
 from moe_lc.parallel.activation_memory import (
-    GPU_AUTOCAST, GPU_BF16_WEIGHTS, estimate_activations, gpu_execution_path, layer_activations,
+    GPU_AUTOCAST, GPU_BF16_WEIGHTS, REFERENCE_FP32, embedding_bytes, estimate_activations, gpu_execution_path,
+    layer_activations,
 )
 from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.plan.hardware import ClusterRequest
@@ -131,7 +132,8 @@ def test_fsdp_state_is_sharded_over_every_rank_and_accumulation_keeps_unsharded_
 
 
 # Peaks measured on one H200 (docs/performance.md §12.2 and §12.4): the proxy trained in one process
-# under bf16 autocast, eager, with KDA's six projections one by one (before kda.fused_projections);
+# under bf16 autocast, eager, with KDA's six projections one by one (before kda.fused_projections)
+# and the embedding in fp32 (before it entered the stream in autocast's dtype);
 # (seq_len, micro-batch, sequences per step, policy, GiB).
 H200_PEAKS = [
     (8192, 1, 1, "none", 17.4), (8192, 1, 1, "selective", 12.3), (8192, 1, 1, "full", 9.5),
@@ -145,6 +147,7 @@ def test_the_memory_model_predicts_the_peaks_measured_on_an_h200_within_15_perce
         seq_len, micro_batch, sequences, policy, measured_gib):
     cfg = get_preset("proxy")
     cfg.kda.fused_projections = False  # as they were measured
+    cfg.fp32_embedding = True
     mem = MemoryModel(model_facts(cfg), StageShape(seq_len, micro_batch, sequences), "adamw")(
         layout(1), ActivationCheckpointing(policy))
     assert abs(mem.total / 2**30 / measured_gib - 1) <= 0.15, mem
@@ -222,6 +225,20 @@ def test_the_execution_path_follows_the_data_parallel_mode():
     assert gpu_execution_path(layout(8)) == GPU_BF16_WEIGHTS
     assert gpu_execution_path(layout(8, dp_mode="zero1")) == GPU_AUTOCAST
     assert gpu_execution_path(layout(1)) == GPU_AUTOCAST
+
+
+def test_the_embedding_source_counts_in_autocasts_dtype_unless_fp32_embedding():
+    """Under autocast the embedding enters the stream in bf16 (MoELCModel.start_stream), so the AttnRes
+    mixtures and their norms' inputs are bf16 too: fewer bytes in every layer that mixes sources."""
+    cfg = get_preset("proxy")
+    assert embedding_bytes(cfg, GPU_AUTOCAST) == 2 and embedding_bytes(cfg, REFERENCE_FP32) == 4
+    bf16 = [layer.none for layer in layer_activations(cfg, GPU_AUTOCAST)]
+    cfg.fp32_embedding = True
+    assert embedding_bytes(cfg, GPU_AUTOCAST) == 4 and embedding_bytes(cfg, GPU_BF16_WEIGHTS) == 2
+    fp32 = [layer.none for layer in layer_activations(cfg, GPU_AUTOCAST)]
+    # the first layer's attention reads the embedding alone (its norm keeps an fp32 copy of a bf16 input);
+    # every later sublayer reads a mixture, which is now bf16
+    assert all(b < f for b, f in zip(bf16[1:], fp32[1:])) and sum(bf16) < sum(fp32)
 
 
 # -- time -----------------------------------------------------------------------------------------

@@ -171,8 +171,14 @@ class MoELCModel(nn.Module):
         return total / valid.clamp_min(1)
 
     def start_stream(self, input_ids: torch.Tensor) -> ResidualStream:
-        """The residual stream before the first decoder layer: the token embedding."""
-        return ResidualStream.start(self.cfg.attn_res.mode, self.embed(input_ids))
+        """The residual stream before the first decoder layer: the token embedding, in autocast's
+        dtype where autocast is on (unless ``fp32_embedding``): the stream's other sources are
+        sublayer outputs in that dtype, and one fp32 source would make every mixture fp32."""
+        embedding = self.embed(input_ids)
+        device_type = embedding.device.type
+        if not self.cfg.fp32_embedding and torch.is_autocast_enabled(device_type):
+            embedding = embedding.to(torch.get_autocast_dtype(device_type))
+        return ResidualStream.start(self.cfg.attn_res.mode, embedding)
 
     def run_layers(self, stream: ResidualStream, layers, docs: Optional[DocumentBounds]) -> ResidualStream:
         """The stream after ``layers`` (consecutive decoder layers), each closing its block when it ends one."""

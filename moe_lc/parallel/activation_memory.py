@@ -75,6 +75,12 @@ GPU_AUTOCAST = ExecutionPath(act=2, stream=4, casts=True, fused=True)  # one GPU
 GPU_BF16_WEIGHTS = ExecutionPath(act=2, stream=2, casts=False, fused=True)  # FSDP computing with bf16 weights
 
 
+def embedding_bytes(cfg: ModelConfig, path: ExecutionPath) -> int:
+    """Bytes per value of the stream's first source, the embedding: autocast's dtype under autocast
+    (``MoELCModel.start_stream``), the weights' dtype under ``fp32_embedding`` or without autocast."""
+    return path.act if path.casts and not cfg.fp32_embedding else path.stream
+
+
 def gpu_execution_path(layout: ParallelLayout) -> ExecutionPath:
     """How the layers run on GPUs under ``layout`` (resolved): FSDP with bf16 compute weights, else fp32
     weights under bf16 autocast (one process, ZeRO-1, or FSDP with param_dtype float32)."""
@@ -260,7 +266,7 @@ def _layer(cfg: ModelConfig, label: str, kind: str, dense: bool, sources: tuple[
            path: ExecutionPath) -> LayerActivations:
     """One layer whose two sublayers mix ``sources`` = (attention's, FFN's) sources."""
     d, A = cfg.d_model, path.act
-    mixed = max(path.stream, A)  # mixtures and the plain residual promote to the wider of the two
+    mixed = max(embedding_bytes(cfg, path), A)  # mixtures and the plain residual promote to the wider of the two
     t = _Tally()
     _sublayer_input(t, cfg, sources[0], mixed, _kda_readers(cfg) if kind == "K" else _mla_readers(cfg), path)
     (_kda if kind == "K" else _mla)(t, cfg, path)
@@ -324,9 +330,9 @@ def outside_layers_bytes(cfg: ModelConfig, tokens: int, path: ExecutionPath, los
     """Bytes per token kept outside the decoder layers: the embedding, the output mixture and norm, the
     LM loss (its log-probabilities unless the loss is computed in recomputed chunks) and the MTP head."""
     d, A = cfg.d_model, path.act
-    mixed = max(path.stream, A)
+    mixed = max(embedding_bytes(cfg, path), A)
     t = _Tally()
-    t.saved(path.stream * d)  # the embedding (the first source)
+    t.saved(embedding_bytes(cfg, path) * d)  # the embedding (the first source)
     chunked = tokens > max(1, loss_chunk_elements // cfg.padded_vocab_size)
     # the LM head reads the final norm's output; recomputed loss chunks keep that output itself
     _sublayer_input(t, cfg, final_sources(cfg), mixed, 1, replace(path, casts=False) if chunked else path)

@@ -338,12 +338,13 @@ class Pipeline:
         return self.plans[k].rank == self.plans[k + 1].rank
 
     def _wire_dtype(self, step: _Step, label: int) -> torch.dtype:
-        """The dtype a boundary tensor has in the one-process model: the embedding computes in the
-        parameters' dtype, sublayer outputs in the activation dtype (autocast), and the plain residual
-        (mode none) holds both."""
+        """The dtype a boundary tensor has in the one-process model: sublayer outputs and the
+        embedding in the activation dtype (autocast), the embedding in the parameters' dtype under
+        ``fp32_embedding``, and the plain residual (mode none) holds both."""
+        embedding = self.compute_dtype if self.model.cfg.fp32_embedding else step.activation_dtype
         if self.mode == "none":
-            return torch.promote_types(self.compute_dtype, step.activation_dtype)
-        return self.compute_dtype if label == 0 else step.activation_dtype
+            return torch.promote_types(embedding, step.activation_dtype)
+        return embedding if label == 0 else step.activation_dtype
 
     def _peer(self, stage: int) -> int:
         return dist.get_global_rank(self.group, self.plans[stage].rank)

@@ -26,7 +26,8 @@ from typing import Optional, Sequence
 from moe_lc.config import ModelConfig
 from moe_lc.model.accounting import head_training_flops, layer_training_flops, mtp_training_flops
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointMode
-from moe_lc.parallel.activation_memory import ExecutionPath, gpu_execution_path, layer_activations, outside_layers_bytes
+from moe_lc.parallel.activation_memory import (ExecutionPath, embedding_bytes, gpu_execution_path, layer_activations,
+                                               outside_layers_bytes)
 from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.parallel.pipeline_schedule import BACKWARD, BACKWARD_INPUT, FORWARD, rank_actions, stage_ranks
 
@@ -74,16 +75,16 @@ def part_costs(
         mode = policy.mode if policy.checkpoints(i) else CheckpointMode.none
         return kept[i].under(mode)
 
-    embedding_bytes = path.stream * cfg.d_model  # the first source, kept by every mixer that reads it
+    embedding = embedding_bytes(cfg, path) * cfg.d_model  # the first source, kept by every mixer that reads it
     outside = outside_layers_bytes(cfg, seq_len, path)
     mtp_layer = under_policy(L) if cfg.mtp else 0.0
     return PartCosts(
         layer_flops=tuple(layer_training_flops(cfg, i, seq_len) for i in range(L)),
         layer_bytes=tuple(under_policy(i) for i in range(L)),
         first_flops=0.0,
-        first_bytes=embedding_bytes,
+        first_bytes=embedding,
         last_flops=head_training_flops(cfg) + mtp_training_flops(cfg, seq_len),
-        last_bytes=outside - embedding_bytes + mtp_layer,
+        last_bytes=outside - embedding + mtp_layer,
     )
 
 

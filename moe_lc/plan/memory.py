@@ -43,6 +43,7 @@ from moe_lc.parallel.activation_memory import (
     ActivationEstimate,
     ExecutionPath,
     backward_working_bytes_per_token,
+    embedding_bytes,
     estimate_activations,
     gpu_execution_path,
     layer_activations,
@@ -234,7 +235,7 @@ class MemoryModel:
         if not stage.first:
             sources = sources_before_layer(cfg, stage.layers.start)
             received = self._in_flight(stage, L) + 1  # one set per micro-batch in flight, one send buffer
-            buffers["pp"] = sources * tokens * cfg.d_model * max(path.stream, path.act) * received
+            buffers["pp"] = sources * tokens * cfg.d_model * max(embedding_bytes(cfg, path), path.act) * received
         buffers["autocast"] = 0.0  # depends on the policy: _with_policy
         buffers["cp"] = 0.0
         if L.cp > 1 and stage.mla_layers:
