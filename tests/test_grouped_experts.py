@@ -13,6 +13,7 @@ On a GPU the same tests also run the CUDA path (bf16 grouped GEMM, fused SiTU) a
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -241,6 +242,48 @@ def test_under_autocast_fp32_weights_take_the_grouped_gemm_in_the_autocast_dtype
         assert g.dtype == r.dtype, name
         # the same bf16 products; only the summation order inside the GEMMs may differ
         assert torch.allclose(g.float(), r.float(), rtol=0, atol=8 * 2**-8 * r.float().abs().max().item()), name
+
+
+def test_a_step_casts_the_experts_weights_once_and_its_gradients_are_those_of_casts_per_micro_batch():
+    """reuse_weight_casts: every micro-batch of a step gets the same bf16 copies of the fp32 weights
+    (one cast, not one per micro-batch) and the fp32 gradients accumulated over the micro-batches are
+    bitwise those of casting again for each (the same bf16 values meet the same kernels). Outside it,
+    without grad or without autocast the weights go to the GEMMs as they are."""
+    from moe_lc.model.moe import RoutedExperts, reuse_weight_casts
+
+    width, hidden = 2 * WIDTH, 2 * HIDDEN
+    experts = RoutedExperts(len(COUNTS), width, hidden, "situ", B1, B2, activation_backend="torch")
+    with torch.no_grad():
+        for w, g in zip((experts.w_gate, experts.w_in, experts.w_out), weights(width=width, hidden=hidden)):
+            w.copy_(g)
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randn(sum(COUNTS), width, generator=gen).bfloat16() for _ in range(3)]
+    counts = torch.tensor(COUNTS)
+
+    def gradients(reuse: bool) -> tuple[list, list]:
+        experts.zero_grad(set_to_none=True)
+        seen = []
+        with reuse_weight_casts(experts) if reuse else contextlib.nullcontext():
+            for x in batches:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    seen.append(experts.compute_weights(x))
+                    y = experts(x, counts)
+                (y.float() ** 2).sum().backward()
+        return [w.grad.clone() for w in (experts.w_gate, experts.w_in, experts.w_out)], seen
+
+    per_micro_batch, raw = gradients(reuse=False)
+    once, cast = gradients(reuse=True)
+    assert all(w.dtype == torch.float32 for seen in raw for w in seen)  # no reuse: autocast casts each use
+    assert all(a is b for seen in cast[1:] for a, b in zip(seen, cast[0]))  # one copy for the whole step
+    assert [w.dtype for w in cast[0]] == [torch.bfloat16] * 3
+    for a, b in zip(once, per_micro_batch):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+    assert experts.step_casts is None  # dropped when the step ends (the optimizer changes the weights)
+    with reuse_weight_casts(experts):
+        x = batches[0]
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            assert experts.compute_weights(x)[0] is experts.w_gate
+        assert experts.compute_weights(x)[0] is experts.w_gate  # autocast off
 
 
 # ----------------------------------------------------------------------------- on a GPU

@@ -45,6 +45,7 @@ from moe_lc.config import ConfigError
 from moe_lc.metrics import DeviceTimer, device_memory_bytes, peak_memory_bytes
 from moe_lc.metrics.breakdown import region
 from moe_lc.model.accounting import causal_keys_per_token
+from moe_lc.model.moe import reuse_weight_casts
 from moe_lc.ops.documents import DocumentBounds, upload
 from moe_lc.optim import OptimConfig, apply_lr
 from moe_lc.model.transformer import IGNORE_INDEX, mtp_labels
@@ -211,12 +212,13 @@ def train_step(
         counts = _sum_over_data_parallel(counts, state)
         denom = counts[0].clamp(min=1)
     autocast = runtime.autocast if state.autocast_forward else contextlib.nullcontext
-    if state.pipeline is not None:
-        lm_sum, extra_sum = _pipeline_micro_batches(state, micro_batches, docs, labels_here, denom, runtime, autocast,
-                                                    context)
-    else:
-        lm_sum, extra_sum = _micro_batches(state, micro_batches, docs, labels_here, denom, runtime, autocast,
-                                           context)
+    with reuse_weight_casts(state.model):  # the experts' bf16 weights once a step, not once a micro-batch
+        if state.pipeline is not None:
+            lm_sum, extra_sum = _pipeline_micro_batches(state, micro_batches, docs, labels_here, denom, runtime,
+                                                        autocast, context)
+        else:
+            lm_sum, extra_sum = _micro_batches(state, micro_batches, docs, labels_here, denom, runtime, autocast,
+                                               context)
     state.finish_gradient_sync()
     sums = _sum_over_pipeline(_sum_over_data_parallel(torch.stack([lm_sum, extra_sum]), state), state)
     update = Interval(device)
