@@ -175,6 +175,8 @@ COMMANDS: dict[str, object] = {
         "python benchmarks/compare_precisions.py --recipe proxy-8k --steps 200 --a precision=bf16 --b precision=fp8 "
         "--out results/precisions model=k3-small compile.enabled=true curriculum.stages.ctx8k.global_batch_tokens=8192 "
         "curriculum.stages.ctx8k.micro_batch=1",
+        "moe-lc bench k3-small-8k --steps 4 --warmup 2",
+        "moe-lc bench k3-small-8k model.fp32_embedding=true --steps 4 --warmup 2",
     )},
     # launch/ comments
     "bash launch/train_single_node.sh recipe=proxy-8k": Run(PROXY + " run_dir=runs/proxy-8k", env="MAX_RESTARTS=0"),
