@@ -20,84 +20,32 @@ import torch
 from torch import Tensor, nn
 
 from moe_lc.model.norm import RMSNorm
-
-
-def _normalised(v: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(v / rms(v), 1 / rms(v)) in fp32 over the last dim, as RMSNorm computes them (fp64 stays fp64)."""
-    vf = v if v.dtype in (torch.float32, torch.float64) else v.float()
-    r = torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + eps)
-    return vf * r, r
-
-
-class _DepthMixture(torch.autograd.Function):
-    """h = sum_i a_i v_i with a = softmax_i(w . (g * v_i / rms(v_i))), without stacking the sources.
-
-    The forward keeps only the sources themselves (which the stream holds anyway), the mixture
-    weights a and the inverse rms values, [S, B, T] each in fp32; the backward recomputes each
-    normalised source when it needs it, one source at a time. Stacking the sources instead would
-    copy all of them into a new [S, B, T, d] tensor, twice per layer, and autograd would keep it
-    (with the norm's fp32 intermediates of the same size).
-    """
-
-    @staticmethod
-    def forward(ctx, query: Tensor, norm_weight: Tensor, eps: float, *sources: Tensor) -> Tensor:
-        wide = torch.promote_types(query.dtype, torch.float32)  # fp32, or fp64 for a float64 model
-        g, q = norm_weight.to(wide), query.to(wide)
-        logits, inv_rms = [], []
-        for v in sources:
-            u, r = _normalised(v, eps)
-            logits.append((u * g * q).sum(-1))  # the order of RMSNorm then the dot with the query
-            inv_rms.append(r.squeeze(-1))
-        a = torch.softmax(torch.stack(logits), dim=0)  # [S, B, T]
-        out_dtype = sources[0].dtype
-        for v in sources[1:]:
-            out_dtype = torch.promote_types(out_dtype, v.dtype)
-        mixed = a[0].to(out_dtype).unsqueeze(-1) * sources[0].to(out_dtype)
-        for i in range(1, len(sources)):
-            mixed = mixed + a[i].to(out_dtype).unsqueeze(-1) * sources[i].to(out_dtype)
-        ctx.save_for_backward(query, norm_weight, a, torch.stack(inv_rms), *sources)
-        return mixed
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        query, norm_weight, a, inv_rms, *sources = ctx.saved_tensors
-        wide = a.dtype
-        g = grad.to(wide)
-        # d loss / d a_i = grad . v_i, then through the softmax: dl_i = a_i (da_i - sum_j a_j da_j)
-        da = torch.stack([(g * v.to(wide)).sum(-1) for v in sources])
-        dlogits = a * (da - (a * da).sum(0, keepdim=True))
-        w = norm_weight.to(wide) * query.to(wide)
-        weighted = torch.zeros_like(w)  # sum over tokens and sources of dl_i * u_i, u_i = v_i / rms(v_i)
-        grads = []
-        for i, v in enumerate(sources):
-            r = inv_rms[i].unsqueeze(-1)
-            u = v.to(wide) * r
-            dl = dlogits[i].unsqueeze(-1)
-            weighted += (dl * u).flatten(0, -2).sum(0)
-            du = dl * w  # logit_i = u_i . w
-            dv = a[i].unsqueeze(-1) * g + r * (du - u * (du * u).mean(-1, keepdim=True))
-            grads.append(dv.to(v.dtype) if ctx.needs_input_grad[3 + i] else None)
-        d_query = (weighted * norm_weight.to(wide)).to(query.dtype) if ctx.needs_input_grad[0] else None
-        d_norm = (weighted * query.to(wide)).to(norm_weight.dtype) if ctx.needs_input_grad[1] else None
-        return d_query, d_norm, None, *grads
+from moe_lc.ops.depth_mixture import depth_mixture
 
 
 class _MixerNorm(RMSNorm):
     """A depth mixer's RMSNorm_j. Its forward is the whole mixture (norm, scores against the query,
-    softmax, weighted sum: one op), so that the norm's weight is used inside the norm module's own
-    call, where module hooks (tensor parallelism's rank-local weights) expect it."""
+    softmax, weighted sum: one op, ``moe_lc.ops.depth_mixture`` on ``backend``), so that the norm's
+    weight is used inside the norm module's own call, where module hooks (tensor parallelism's
+    rank-local weights) expect it."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, backend: str = "auto") -> None:
+        super().__init__(dim, eps)
+        self.backend = backend
 
     def forward(self, sources: list[Tensor], query: Tensor) -> Tensor:  # type: ignore[override]
-        return _DepthMixture.apply(query, self.weight, self.eps, *sources)
+        return depth_mixture(sources, query, self.weight, self.eps, self.backend)
 
 
 class DepthMixer(nn.Module):
-    """One pseudo-query w_j with its own RMSNorm, mixing a list of sources."""
+    """One pseudo-query w_j with its own RMSNorm, mixing a list of sources.
 
-    def __init__(self, d_model: int, eps: float = 1e-6) -> None:
+    ``backend`` is handed to ``depth_mixture`` ("auto": the fused Triton kernels on GPUs)."""
+
+    def __init__(self, d_model: int, eps: float = 1e-6, backend: str = "auto") -> None:
         super().__init__()
         self.query = nn.Parameter(torch.zeros(d_model))
-        self.norm = _MixerNorm(d_model, eps)
+        self.norm = _MixerNorm(d_model, eps, backend)
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.query)

@@ -28,6 +28,7 @@ KDA_PROJ = "moe_lc/ops/kda_projections.py"
 CONV = "moe_lc/ops/short_conv.py"
 MLA = "moe_lc/model/mla.py"
 RES = "moe_lc/model/attn_res.py"
+MIXTURE = "moe_lc/ops/depth_mixture.py"
 MOE = "moe_lc/model/moe.py"
 BAL = "moe_lc/model/balancing.py"
 MODEL = "moe_lc/model/transformer.py"
@@ -65,7 +66,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "return stream.final(self.out_mixer)", "LM head reads the un-normalised output"),
     Mutant("mtp-hidden-norm-dropped", MODEL, "torch.cat([self.hidden_norm(hidden),", "torch.cat([hidden,",
            "MTP concatenates the trunk state without its RMSNorm"),
-    Mutant("attnres-norm-dropped", RES, "            u, r = _normalised(v, eps)\n",
+    Mutant("attnres-norm-dropped", MIXTURE, "            u, r = _normalised(v, eps)\n",
            "            u, r = v.to(wide), torch.ones(*v.shape[:-1], 1, dtype=wide)\n",
            "AttnRes scores the raw sources, not RMSNorm(v)"),
     # -- scales and activations
@@ -150,9 +151,9 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- Attention Residuals
     Mutant("attnres-block-off-by-one", RES, "(layer_idx + 1) % block_size == 0", "layer_idx % block_size == 0",
            "blocks close one layer early"),
-    Mutant("attnres-query-sign", RES, "logits.append((u * g * q).sum(-1))", "logits.append((u * g * -q).sum(-1))",
+    Mutant("attnres-query-sign", MIXTURE, "logits.append((u * g * q).sum(-1))", "logits.append((u * g * -q).sum(-1))",
            "pseudo-query with the wrong sign"),
-    Mutant("attnres-softmax-over-tokens", RES, "a = torch.softmax(torch.stack(logits), dim=0)",
+    Mutant("attnres-softmax-over-tokens", MIXTURE, "a = torch.softmax(torch.stack(logits), dim=0)",
            "a = torch.softmax(torch.stack(logits), dim=-1)",
            "softmax over tokens instead of over depth"),
     Mutant("attnres-partial-left-out", RES, "return [*self.sources, *([self.partial] if self.partial is not None else [])]",

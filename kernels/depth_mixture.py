@@ -1,0 +1,127 @@
+"""Fused AttnRes depth mixture on Triton: autograd Function and launches.
+
+h = sum_i a_i v_i with a = softmax_i(w . (g * v_i / rms(v_i))) over S sources v_i [..., D].
+Forward: one kernel reads every source twice (its statistics, then the mixture; the second read
+from L2) and writes h once; it keeps only the sources (which the residual stream holds anyway)
+and the mixture weights and inverse rms, fp32 [S, N]. Backward: one kernel reads the output
+gradient and every source twice, writes every source gradient once and per-program partial sums
+of the query's and the gain's [D] gradient, summed here in torch (deterministic, no atomics).
+The unfused composition makes a dozen passes over [tokens, D] per source each way. Triton is
+imported on first use, so this module imports without it (moe-lc's ``depth_mixture`` op is the
+public entry point: it checks the inputs and picks these kernels or its PyTorch reference).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# The kernels unroll over the sources (one tuple argument of S pointers, depth_mixture_triton.py):
+# code size and compile time grow with S. 32 covers block mode and "full" mode up to 15 layers.
+MAX_SOURCES = 32
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Launch choices, per pass: ROWS rows of BLOCK_D columns per tile and program, and warps. With
+# BLOCK_D = 256 and ROWS = warps a warp owns one row of a tile (bf16: 16 bytes a lane), so the
+# reductions per tile and source stay within the warp (no barrier). Compiled for sm_90 with
+# Triton 3.6, 4 x 256 at 4 warps takes 64 (fwd) and 128 (bwd) registers at S = 7 and 96 / 168 at
+# S = 10, without spills; only the backward at S = 32 spills (144 bytes).
+# ``l2_budget``: the bytes of rows in flight between a row's two reads that the grid is sized for:
+# programs = l2_budget / (ROWS x a row's bytes over the sources, and the gradient in the
+# backward), at least one per SM, against an H200's 50 MB L2 (k3-small, d = 2048, S = 7: 192
+# forward programs). The bytes in flight are then about l2_budget x BLOCK_D / D, so a wide D
+# wants a larger BLOCK_D. ``programs`` overrides the grid (None: from the budget). Not yet
+# measured on the H200.
+TUNING = dict(fwd_rows=4, fwd_block_d=256, fwd_warps=4, bwd_rows=4, bwd_block_d=256, bwd_warps=4,
+              l2_budget=24 << 20, programs=None)
+
+
+def _launch_shape(N: int, D: int, row_bytes: int, device: torch.device, prefix: str) -> tuple[int, int, int, int]:
+    """(programs, ROWS, BLOCK_D, warps) for a launch: BLOCK_D shrunk to the next power of two of a
+    small D, the grid from the L2 budget (module comment) and never more than the row blocks."""
+    import triton
+
+    rows, warps = TUNING[f"{prefix}_rows"], TUNING[f"{prefix}_warps"]
+    block_d = min(TUNING[f"{prefix}_block_d"], triton.next_power_of_2(D))
+    programs = TUNING["programs"]
+    if programs is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        programs = max(sms, TUNING["l2_budget"] // (rows * row_bytes))
+    return max(1, min(programs, triton.cdiv(N, rows))), rows, block_d, warps
+
+
+def _row_bytes(D: int, tensors) -> int:
+    """Bytes of one row across ``tensors`` (all [.., D])."""
+    return D * sum(t.element_size() for t in tensors)
+
+
+class _DepthMixtureFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query: Tensor, norm_weight: Tensor, eps: float, *sources: Tensor) -> Tensor:
+        from moe_lc_kernels import depth_mixture_triton as kt
+
+        shape, D, S = sources[0].shape, sources[0].shape[-1], len(sources)
+        N = sources[0].numel() // D
+        out_dtype = sources[0].dtype
+        for v in sources[1:]:
+            out_dtype = torch.promote_types(out_dtype, v.dtype)
+        device = sources[0].device
+        h = torch.empty(shape, device=device, dtype=out_dtype)
+        a = torch.empty(S, N, device=device, dtype=torch.float32)
+        inv_rms = torch.empty_like(a)
+        programs, rows, block_d, warps = _launch_shape(N, D, _row_bytes(D, sources), device, "fwd")
+        kt.depth_mixture_fwd_kernel[(programs,)](
+            tuple(sources), _folded_query(query, norm_weight), h, a, inv_rms, N, D, eps,
+            S=S, ROWS=rows, BLOCK_D=block_d, num_warps=warps)
+        ctx.save_for_backward(query, norm_weight, a, inv_rms, *sources)
+        return h
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        from moe_lc_kernels import depth_mixture_triton as kt
+
+        query, norm_weight, a, inv_rms, *sources = ctx.saved_tensors
+        S, N = a.shape
+        D = sources[0].shape[-1]
+        grad = grad.contiguous()
+        dsources = tuple(torch.empty_like(v) for v in sources)
+        programs, rows, block_d, warps = _launch_shape(N, D, _row_bytes(D, [grad, *sources]), grad.device, "bwd")
+        part = torch.zeros(programs, D, device=grad.device, dtype=torch.float32)
+        kt.depth_mixture_bwd_kernel[(programs,)](
+            tuple(sources), dsources, grad, _folded_query(query, norm_weight), a, inv_rms, part, N, D,
+            S=S, ROWS=rows, BLOCK_D=block_d, num_warps=warps)
+        weighted = part.sum(0)  # sum over tokens and sources of dl_i u_i
+        d_query = (weighted * norm_weight.float()).to(query.dtype) if ctx.needs_input_grad[0] else None
+        d_norm = (weighted * query.float()).to(norm_weight.dtype) if ctx.needs_input_grad[1] else None
+        grads = [dv if ctx.needs_input_grad[3 + i] else None for i, dv in enumerate(dsources)]
+        return d_query, d_norm, None, *grads
+
+
+def _folded_query(query: Tensor, norm_weight: Tensor) -> Tensor:
+    """w = g * query in fp32, [D]: the logits are r_i (w . v_i)."""
+    return (norm_weight.float() * query.float()).contiguous()
+
+
+def depth_mixture_triton(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: float) -> Tensor:
+    """sum_i a_i v_i, a = softmax_i(query . (norm_weight * v_i / rms(v_i))), over the last dim.
+
+    Sources of one shape [..., D] and device, each fp32/bf16/fp16 (they may differ); output in
+    their promoted dtype, each source's gradient in its own dtype; fp32 math. Differentiable in
+    the sources, ``query`` and ``norm_weight`` ([D] each). Use ``moe_lc.ops.depth_mixture``, which
+    picks this or the reference.
+    """
+    if not 1 <= len(sources) <= MAX_SOURCES:
+        raise ValueError(f"depth_mixture_triton: 1 to {MAX_SOURCES} sources, got {len(sources)}")
+    first = sources[0]
+    for v in sources:
+        if v.shape != first.shape or v.device != first.device or v.dtype not in DTYPES:
+            raise ValueError(f"depth_mixture_triton: sources must share shape and device and be fp32/bf16/fp16, "
+                             f"got {tuple(v.shape)} {v.dtype} {v.device} next to {tuple(first.shape)} {first.device}")
+    D = first.shape[-1]
+    for p in (query, norm_weight):
+        if p.shape != (D,) or p.device != first.device or p.dtype not in DTYPES:
+            raise ValueError(f"depth_mixture_triton: query and norm_weight must be fp32/bf16/fp16 [{D}] on "
+                             f"{first.device}, got {p.dtype} {tuple(p.shape)} on {p.device}")
+    if first.numel() == 0:  # nothing to launch: an empty mixture that autograd connects to every input
+        return sum(v * (query * norm_weight).sum() for v in sources)
+    # contiguous() copies only a source whose rows are not dense [N, D] (the residual stream's always are)
+    return _DepthMixtureFunction.apply(query, norm_weight, float(eps), *(v.contiguous() for v in sources))

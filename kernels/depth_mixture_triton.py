@@ -1,0 +1,170 @@
+"""Triton kernels of the AttnRes depth mixture; launched from depth_mixture.py.
+
+    h = sum_i a_i v_i,   a = softmax_i(logit_i),   logit_i = r_i (w . v_i),   r_i = 1 / sqrt(mean(v_i^2) + eps)
+
+with w = g * query (the norm's gain folded into the query on the host: (g v r) . q = r (g q) . v).
+
+Layout: every source v_i, the mixture h, its gradient and the source gradients are contiguous
+[N, D] rows (N tokens); the mixture weights a and inverse rms r are fp32 [S, N]. A program owns
+ROWS consecutive rows and walks D in BLOCK_D tiles, so any width fits. Per-source per-row scalars
+are tuples of S [ROWS] vectors (built and indexed at compile time, so they stay in registers in
+the tiles' own layout). Math in fp32; loads and stores in each tensor's own dtype. Row offsets
+are int64 (N * D can exceed 2^31).
+
+The sources are one tuple argument of S pointers, not a device array of addresses: Triton
+specialises every element of a tuple on its own element type and alignment, so an fp32 embedding
+and bf16 block sums are loaded as they are (no cast, no stacked copy) with 16-byte vector loads,
+and S is a compile-time length that ``tl.static_range`` unrolls. An int64 array of data pointers
+would force one element type on all sources (or a per-source dtype code and a branch around
+every load), lose the alignment the JIT proves for tensor arguments, and cost a host-to-device
+copy of the addresses on every call. The price is one compilation per (S, source dtypes), and code
+that grows with S, hence the maximum in depth_mixture.py.
+
+Bandwidth: each pass reads every source twice and writes each output once (a row's statistics
+are needed before any of it can be mixed); the second read is meant to come from L2. What has to
+stay there is every row the GPU reads between a row's two reads: about programs x ROWS x the row's
+bytes over all sources. So the programs stride over the row blocks and the host sizes the grid
+from an L2 budget, instead of leaving the concurrency to the occupancy (at ~8 programs per SM,
+the k3-small rows in flight would fill an H200's 50 MB L2 twice over). Both first passes go tile
+by tile with the sources in an inner unrolled loop: S tiles in flight per program (the grid is
+small, so each program must keep many bytes in flight), and the output gradient read once for
+all sources. The price is one reduction per tile and source, within a warp when a warp spans a
+tile's row (BLOCK_D at most 32 lanes x 16 bytes, ROWS a multiple of the warps).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_tile(ptr, base, cols, mask):
+    """An fp32 [ROWS, BLOCK_D] tile of the rows starting at ``base`` (int64 element offsets)."""
+    return tl.load(ptr + base[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _row_block(blk, N, D, ROWS: tl.constexpr):
+    """Rows of row block ``blk``, which of them exist, and their int64 element offsets."""
+    rows = blk * ROWS + tl.arange(0, ROWS)
+    return rows, rows < N, rows.to(tl.int64) * D
+
+
+@triton.jit
+def _source_dots(srcs, grad, w, base, row_in, D, WITH_GRAD: tl.constexpr, S: tl.constexpr, ROWS: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """Tuples of S [ROWS] vectors: (x . v_i, w . v_i) with x = grad (WITH_GRAD) or v_i itself (sum of v_i^2).
+
+    Tile by tile with every source in the inner unrolled loop: S tiles in flight at once, and the
+    gradient read once for all of them."""
+    first = ()
+    second = ()
+    for i in tl.static_range(S):
+        first = first + (tl.zeros([ROWS], dtype=tl.float32),)
+        second = second + (tl.zeros([ROWS], dtype=tl.float32),)
+    for k in range(0, D, BLOCK_D):
+        cols = k + tl.arange(0, BLOCK_D)
+        col_in = cols < D
+        mask = row_in[:, None] & col_in[None, :]
+        wt = tl.load(w + cols, mask=col_in, other=0.0)[None, :]
+        if WITH_GRAD:
+            g = _load_tile(grad, base, cols, mask)
+        first_k = ()
+        second_k = ()
+        for i in tl.static_range(S):
+            v = _load_tile(srcs[i], base, cols, mask)
+            if WITH_GRAD:
+                first_k = first_k + (first[i] + tl.sum(g * v, axis=1),)
+            else:
+                first_k = first_k + (first[i] + tl.sum(v * v, axis=1),)
+            second_k = second_k + (second[i] + tl.sum(v * wt, axis=1),)
+        first = first_k
+        second = second_k
+    return first, second
+
+
+@triton.jit
+def depth_mixture_fwd_kernel(srcs, w, h, a_out, r_out, N, D, eps, S: tl.constexpr, ROWS: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
+    """h = sum_i a_i v_i in h's dtype; a and r stored for the backward (fp32 [S, N]).
+
+    Programs stride over the row blocks: the grid, not the GPU's occupancy, sets how many rows are
+    in flight between their two reads (what has to stay in L2)."""
+    for blk in range(tl.program_id(0), tl.cdiv(N, ROWS), tl.num_programs(0)):
+        rows, row_in, base = _row_block(blk, N, D, ROWS)
+        # pass 1: every source's sum of squares and dot with w, then the softmax over the sources
+        square, dot = _source_dots(srcs, h, w, base, row_in, D, False, S, ROWS, BLOCK_D)
+        logits = ()
+        inv_rms = ()
+        for i in tl.static_range(S):
+            r = 1.0 / tl.sqrt_rn(square[i] / D + eps)
+            inv_rms = inv_rms + (r,)
+            logits = logits + (r * dot[i],)
+        top = logits[0]
+        for i in tl.static_range(1, S):
+            top = tl.maximum(top, logits[i])
+        exps = ()
+        total = tl.zeros([ROWS], dtype=tl.float32)
+        for i in tl.static_range(S):
+            exps = exps + (tl.exp(logits[i] - top),)
+            total += exps[i]
+        a = ()
+        for i in tl.static_range(S):
+            a = a + (exps[i] / total,)
+            tl.store(a_out + i * N + rows, a[i], mask=row_in)
+            tl.store(r_out + i * N + rows, inv_rms[i], mask=row_in)
+        # pass 2: the sources again (from L2: this program read them a moment ago), mixed tile by tile
+        for k in range(0, D, BLOCK_D):
+            cols = k + tl.arange(0, BLOCK_D)
+            mask = row_in[:, None] & (cols < D)[None, :]
+            acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+            for i in tl.static_range(S):
+                acc += a[i][:, None] * _load_tile(srcs[i], base, cols, mask)
+            tl.store(h + base[:, None] + cols[None, :], acc.to(h.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def depth_mixture_bwd_kernel(srcs, dsrcs, grad, w, a_in, r_in, part, N, D, S: tl.constexpr, ROWS: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
+    """dv_i = a_i grad + r_i dl_i (w - u_i logit_i / D) in v_i's dtype, u_i = r_i v_i, and this
+    program's share of sum over tokens and sources of dl_i u_i into its row of ``part`` (fp32
+    [programs, D], zeroed by the caller), where dl_i = a_i (da_i - sum_j a_j da_j), da_i = grad . v_i.
+
+    Programs stride over the row blocks as in the forward, so ``part`` has one row per program, not
+    per block. Each program adds to its own row only (deterministic, no atomics); a barrier orders
+    one block's read-modify-write of it after the previous block's.
+    """
+    part_row = part + tl.program_id(0).to(tl.int64) * D
+    for blk in range(tl.program_id(0), tl.cdiv(N, ROWS), tl.num_programs(0)):
+        rows, row_in, base = _row_block(blk, N, D, ROWS)
+        # pass 1: da_i = grad . v_i and w . v_i (the logit before its 1/rms), then through the softmax
+        da, dot = _source_dots(srcs, grad, w, base, row_in, D, True, S, ROWS, BLOCK_D)
+        a = ()
+        mean = tl.zeros([ROWS], dtype=tl.float32)
+        for i in tl.static_range(S):
+            a = a + (tl.load(a_in + i * N + rows, mask=row_in, other=0.0),)
+            mean += a[i] * da[i]
+        w_coef = ()  # r_i dl_i: of w in dv_i, and of v_i in the query's gradient (dl_i u_i = r_i dl_i v_i)
+        v_coef = ()  # r_i dl_i logit_i / D times u_i = r_i v_i, logit_i = r_i (w . v_i)
+        for i in tl.static_range(S):
+            r = tl.load(r_in + i * N + rows, mask=row_in, other=0.0)
+            wc = r * a[i] * (da[i] - mean)
+            w_coef = w_coef + (wc,)
+            v_coef = v_coef + (wc * r * (r * dot[i]) / D,)
+        tl.debug_barrier()
+        # pass 2: every source gradient and the [D] partial sums, tile by tile
+        for k in range(0, D, BLOCK_D):
+            cols = k + tl.arange(0, BLOCK_D)
+            col_in = cols < D
+            mask = row_in[:, None] & col_in[None, :]
+            g = _load_tile(grad, base, cols, mask)
+            wt = tl.load(w + cols, mask=col_in, other=0.0)[None, :]
+            weighted = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+            for i in tl.static_range(S):
+                v = _load_tile(srcs[i], base, cols, mask)
+                dv = a[i][:, None] * g + w_coef[i][:, None] * wt - v_coef[i][:, None] * v
+                tl.store(dsrcs[i] + base[:, None] + cols[None, :], dv.to(dsrcs[i].dtype.element_ty), mask=mask)
+                weighted += w_coef[i][:, None] * v
+            total = tl.load(part_row + cols, mask=col_in, other=0.0) + tl.sum(weighted, axis=0)
+            tl.store(part_row + cols, total, mask=col_in)

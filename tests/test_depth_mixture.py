@@ -1,0 +1,261 @@
+"""The fused AttnRes depth-mixture kernels (moe_lc_kernels.depth_mixture) and their dispatch
+(moe_lc.ops.depth_mixture) against the mixture written out in float64 from its formula,
+
+    h = sum_i a_i v_i,   a = softmax_i(logit_i),   logit_i = w . u_i,   u_i = r_i v_i,   w = g q,
+    r_i = 1 / sqrt(mean(v_i^2) + eps),
+
+and its gradient for an output gradient G, with da_i = G . v_i and dl_i = a_i (da_i - sum_j a_j da_j):
+dv_i = a_i G + r_i dl_i (w - u_i logit_i / d), dq = g P, dg = q P, P = sum over tokens and i of dl_i u_i.
+
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before Triton is
+first imported), so sizes stay small; small blocks make d = 40 span three tiles (the last one
+partial) and N = 10 tokens three row blocks (the last one partial) over two programs, so that
+the programs stride over the row blocks and each adds two blocks into its partial sums.
+
+Tolerances come from the precision. Along any path to an output the kernels round at most
+n = d + S + 16 times in fp32 (a d-term dot product or sum of squares in some order, an S-term
+softmax normaliser and mixture, a few products, rsqrt, exp and a division of a few ulps each);
+the query's and the gain's gradients add the sum over N tokens (n + N). A sum's rounding is
+relative to the sum of its terms' magnitudes, not to its value, so each output is bounded by
+eps32 times the same expression evaluated with every term replaced by its magnitude ("mag", in
+float64). The mixture weights a carry the logits' errors, which are absolute (at most n eps32 L,
+L = max_i r_i sum_c |w_c v_ic| per token), plus the exp of a rounded product (relative error up
+to |logit - max| ulps on a GPU): relative to a, 2 n eps32 (1 + L) covers both. So
+
+    |out - ref| <= eps_n mag + r eps_out (|ref| + eps_n mag),   eps_n = 2 n eps32 (1 + L),
+
+where the second term is the rounding to the output dtype: r = 1/2 ulp on a GPU (round to
+nearest), a whole ulp in the interpreter (which truncates fp32 to bf16). With d = 40 this is
+~1e-4 of the magnitudes. A source of rms 1e-3 (mean of squares = eps) makes a dropped or
+misplaced eps move its mixture weight by tens of percent; a wrong sign of any term of dv moves
+dv by at least that term, against bounds four orders of magnitude smaller.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+import moe_lc.model.attn_res as attn_res_module  # noqa: E402
+import moe_lc_kernels.depth_mixture as kernel_module  # noqa: E402
+from moe_lc.model.attn_res import DepthMixer  # noqa: E402
+from moe_lc.ops.depth_mixture import depth_mixture, resolve_backend, triton_unsupported_reason  # noqa: E402
+from moe_lc_kernels import triton_available  # noqa: E402
+from moe_lc_kernels.depth_mixture import MAX_SOURCES  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if not triton_available(DEVICE):
+    pytest.skip("Triton cannot run here (no GPU and TRITON_INTERPRET is not 1)", allow_module_level=True)
+
+F64 = torch.float64
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+EPS32 = torch.finfo(F32).eps
+OUTPUT_ROUNDING = 1.0 if os.environ.get("TRITON_INTERPRET") == "1" else 0.5  # in ulps of the output dtype
+EPS = 1e-6
+B, T, D = 2, 5, 40
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """4 rows x 16 columns a tile, two programs: 3 row blocks (the last partial) x 3 tiles (the last partial)."""
+    monkeypatch.setattr(kernel_module, "TUNING", dict(fwd_rows=4, fwd_block_d=16, fwd_warps=4, bwd_rows=4,
+                                                      bwd_block_d=16, bwd_warps=4, l2_budget=0, programs=2))
+
+
+def make_inputs(dtypes: list[torch.dtype], query_scale: float = 0.3, seed: int = 0):
+    """Sources of varied scales (source 1 with rms 1e-3, where eps matters), query, gain and output gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    scales = [1e-3 if i == 1 else 0.5 + i for i in range(len(dtypes))]
+    sources = [(torch.randn(B, T, D, generator=gen, dtype=F64) * s).to(dt).to(DEVICE).requires_grad_()
+               for s, dt in zip(scales, dtypes)]
+    query = (torch.randn(D, generator=gen, dtype=F64) * query_scale).float().to(DEVICE).requires_grad_()
+    gain = (1 + 0.3 * torch.randn(D, generator=gen, dtype=F64)).float().to(DEVICE).requires_grad_()
+    out_dtype = dtypes[0]
+    for dt in dtypes[1:]:
+        out_dtype = torch.promote_types(out_dtype, dt)
+    grad = torch.randn(B, T, D, generator=gen, dtype=F64).to(out_dtype).to(DEVICE)
+    return sources, query, gain, grad
+
+
+def expected(sources, query, gain, grad) -> dict:
+    """The formula in float64 (plain tensor ops, [S, B, T, d]), its gradient in closed form, and the
+    magnitudes that bound each output's error (module docstring)."""
+    v = torch.stack([s.detach().cpu().to(F64) for s in sources])
+    q, g, G = query.detach().cpu().to(F64), gain.detach().cpu().to(F64), grad.cpu().to(F64)
+    S = v.shape[0]
+    w = g * q
+    r = 1.0 / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + EPS)  # [S, B, T, 1]
+    u = v * r
+    logit = (u * w).sum(-1, keepdim=True)
+    a = torch.softmax(logit, dim=0)
+    h = (a * v).sum(0)
+    da = (G * v).sum(-1, keepdim=True)
+    dl = a * (da - (a * da).sum(0, keepdim=True))
+    dv = a * G + r * dl * (w - u * logit / D)
+    P = (dl * u).sum(dim=(0, 1, 2))
+    # magnitudes: every term by its absolute value
+    L = (r * (w.abs() * v.abs()).sum(-1, keepdim=True)).amax(0)  # [B, T, 1]
+    da_mag = (G.abs() * v.abs()).sum(-1, keepdim=True)
+    dl_mag = a * (da_mag + (a * da_mag).sum(0, keepdim=True))
+    logit_mag = r * (w.abs() * v.abs()).sum(-1, keepdim=True)
+    dv_mag = a * G.abs() + r * dl_mag * (w.abs() + u.abs() * logit_mag / D)
+    P_mag = (dl_mag * u.abs()).sum(dim=(0, 1, 2))
+    n = D + S + 16
+    eps_n = 2 * n * EPS32 * (1 + L)  # per token
+    eps_p = 2 * (n + B * T) * EPS32 * (1 + L.max())
+    return dict(h=h, dv=dv, dq=g * P, dg=q * P, h_bound=eps_n * (a * v.abs()).sum(0), dv_bound=eps_n * dv_mag,
+                dq_bound=eps_p * g.abs() * P_mag, dg_bound=eps_p * q.abs() * P_mag, a=a)
+
+
+def assert_within(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, name: str) -> None:
+    """|out - ref| <= bound + r eps_out (|ref| + bound), elementwise (module docstring)."""
+    assert torch.isfinite(out).all(), f"{name}: non-finite values"
+    eps_out = torch.finfo(out.dtype).eps
+    err = (out.detach().cpu().to(F64) - ref).abs()
+    total = bound + OUTPUT_ROUNDING * eps_out * (ref.abs() + bound) + torch.finfo(out.dtype).tiny
+    worst = (err / total).max().item()
+    assert worst <= 1.0, f"{name} ({out.dtype}): error reaches {worst:.2f} x its bound"
+
+
+def check_against_float64(dtypes: list[torch.dtype], query_scale: float = 0.3) -> dict:
+    sources, query, gain, grad = make_inputs(dtypes, query_scale)
+    h = depth_mixture(sources, query, gain, EPS, backend="triton")
+    grads = torch.autograd.grad(h, [*sources, query, gain], grad)
+    ref = expected(sources, query, gain, grad)
+    out_dtype = grad.dtype
+    assert h.dtype == out_dtype and h.shape == (B, T, D)
+    assert_within(h, ref["h"], ref["h_bound"], "h")
+    for i, (dv, v) in enumerate(zip(grads, sources)):
+        assert dv.dtype == v.dtype
+        assert_within(dv, ref["dv"][i], ref["dv_bound"][i], f"dv[{i}]")
+    assert grads[-2].dtype == grads[-1].dtype == F32
+    assert_within(grads[-2], ref["dq"], ref["dq_bound"], "d_query")
+    assert_within(grads[-1], ref["dg"], ref["dg_bound"], "d_norm_weight")
+    return ref
+
+
+def test_the_closed_form_gradient_is_autograd_of_the_formula():
+    """The backward formula above (what the kernel computes) against autograd, both in float64."""
+    sources, query, gain, grad = make_inputs([F32, F32, F32])
+    v = [s.detach().cpu().to(F64).requires_grad_() for s in sources]
+    q, g = query.detach().cpu().to(F64).requires_grad_(), gain.detach().cpu().to(F64).requires_grad_()
+    u = [x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS) for x in v]
+    a = torch.softmax(torch.stack([(ui * g * q).sum(-1) for ui in u]), dim=0)
+    h = sum(a[i].unsqueeze(-1) * x for i, x in enumerate(v))
+    autograd = torch.autograd.grad(h, [*v, q, g], grad.cpu().to(F64))
+    ref = expected(sources, query, gain, grad)
+    assert (h - ref["h"]).abs().max() < 1e-12
+    for got, want in zip(autograd, [*ref["dv"], ref["dq"], ref["dg"]]):
+        assert (got - want).abs().max() < 1e-12 * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtypes", [
+    pytest.param([F32] * 4, id="four-fp32"),
+    pytest.param([F32, BF16, BF16], id="fp32-embedding-bf16-sums"),
+    pytest.param([BF16] * 3, id="bf16-only"),
+    pytest.param([F32, F16], id="two-sources-fp32-fp16"),
+    pytest.param([F32] + [BF16] * (MAX_SOURCES - 1), id="maximum-sources"),
+])
+def test_forward_and_every_gradient_match_float64(dtypes, small_blocks):
+    check_against_float64(dtypes)
+
+
+def test_zero_query_is_the_uniform_mean_and_still_has_a_query_gradient(small_blocks):
+    ref = check_against_float64([F32, BF16, BF16, BF16], query_scale=0.0)
+    assert torch.allclose(ref["a"], torch.full_like(ref["a"], 0.25), rtol=0, atol=1e-15)
+    assert ref["dq"].abs().max() > 1e-3  # the gradient that moves the query off zero
+
+
+def test_the_kernels_keep_the_sources_and_two_numbers_per_source_and_token(small_blocks):
+    sources, query, gain, _ = make_inputs([F32, BF16, BF16])
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        depth_mixture(sources, query, gain, EPS, backend="triton")
+    inputs = {t.data_ptr() for t in (*sources, query, gain)}
+    new = [t for t in saved if t.data_ptr() not in inputs]
+    assert {t.data_ptr() for t in saved} >= inputs
+    assert sorted(t.shape for t in new) == [(3, B * T)] * 2 and all(t.dtype == F32 for t in new)
+
+
+def test_non_dense_sources_and_no_tokens(small_blocks):
+    sources, query, gain, grad = make_inputs([F32, BF16])
+    wide = [torch.cat([s, s], dim=1).detach()[:, :T].requires_grad_() for s in sources]  # rows not dense
+    h = depth_mixture(wide, query, gain, EPS, backend="triton")
+    ref = expected(wide, query, gain, grad)
+    assert_within(h, ref["h"], ref["h_bound"], "h")
+    empty = [torch.zeros(0, D, device=DEVICE, requires_grad=True) for _ in range(2)]
+    out = depth_mixture(empty, query, gain, EPS, backend="triton")
+    out.sum().backward()
+    assert out.shape == (0, D) and empty[0].grad.shape == (0, D)
+
+
+def test_dispatch_choices_and_errors(monkeypatch):
+    v, q, g = [torch.zeros(2, 3, 4, device=DEVICE)] * 2, torch.zeros(4, device=DEVICE), torch.ones(4, device=DEVICE)
+    assert resolve_backend(v, q, g, "auto") == ("triton" if v[0].is_cuda else "torch")  # never the CPU interpreter
+    assert resolve_backend(v, q, g, "torch") == "torch"
+    wide = [t.double() for t in v]
+    assert resolve_backend(wide, q.double(), g.double(), "auto") == "torch"  # fp64 always runs the reference
+    with pytest.raises(RuntimeError, match="fp64 runs the reference"):
+        depth_mixture(wide, q.double(), g.double(), EPS, backend="triton")
+    with pytest.raises(RuntimeError, match=f"at most {MAX_SOURCES} sources"):
+        depth_mixture(v * (MAX_SOURCES // 2 + 1), q, g, EPS, backend="triton")
+    with pytest.raises(RuntimeError, match="one shape"):
+        depth_mixture([v[0], v[0][:, :2]], q, g, EPS, backend="triton")
+    strided = torch.zeros(2, 4, 3, device=DEVICE).transpose(1, 2)  # [2, 3, 4], last dim of stride 3
+    assert "last dim is contiguous" in triton_unsupported_reason([v[0], strided], q, g)
+    with pytest.raises(ValueError, match="unknown backend"):
+        depth_mixture(v, q, g, EPS, backend="cuda")
+    cpu = [torch.zeros(2, 3, 4)] * 2
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a CPU without the interpreter: no Triton at all
+    assert "Triton cannot run on cpu" in triton_unsupported_reason(cpu, q.cpu(), g.cpu())
+    assert resolve_backend(cpu, q.cpu(), g.cpu(), "auto") == "torch"
+    with pytest.raises(RuntimeError, match='backend "triton" unavailable'):
+        depth_mixture(cpu, q.cpu(), g.cpu(), EPS, backend="triton")
+
+
+def mixer_and_sources(backend: str) -> tuple[DepthMixer, list[torch.Tensor]]:
+    mixer = DepthMixer(D, EPS, backend=backend).to(DEVICE)
+    sources, query, gain, _ = make_inputs([F32, BF16, BF16])
+    with torch.no_grad():
+        mixer.query.copy_(query)
+        mixer.norm.weight.copy_(gain)
+    return mixer, sources
+
+
+def test_the_depth_mixer_goes_through_the_dispatch(monkeypatch, small_blocks):
+    """DepthMixer calls ``depth_mixture`` with its backend; through either one it matches float64."""
+    calls = []
+
+    def spy(sources, query, norm_weight, eps, backend="auto"):
+        calls.append(backend)
+        return depth_mixture(sources, query, norm_weight, eps, backend)
+
+    monkeypatch.setattr(attn_res_module, "depth_mixture", spy)
+    for backend in ("torch", "triton"):
+        mixer, sources = mixer_and_sources(backend)
+        _, _, _, grad = make_inputs([F32, BF16, BF16])
+        out = mixer(sources)
+        grads = torch.autograd.grad(out, [*sources, mixer.query, mixer.norm.weight], grad)
+        ref = expected(sources, mixer.query, mixer.norm.weight, grad)
+        assert_within(out, ref["h"], ref["h_bound"], f"{backend}: h")
+        for i, dv in enumerate(grads[:-2]):
+            assert_within(dv, ref["dv"][i], ref["dv_bound"][i], f"{backend}: dv[{i}]")
+        assert_within(grads[-2], ref["dq"], ref["dq_bound"], f"{backend}: d_query")
+        assert_within(grads[-1], ref["dg"], ref["dg_bound"], f"{backend}: d_norm_weight")
+    assert calls == ["torch", "triton"]
+
+
+def test_a_compiled_depth_mixer_runs_the_kernels_eagerly(small_blocks):
+    """Under torch.compile the Triton entry point is a graph break: Dynamo never traces the launches."""
+    mixer, sources = mixer_and_sources("triton")
+    eager = mixer(sources)
+    torch._dynamo.reset()
+    mixer.compile()
+    compiled = mixer(sources)
+    assert torch.equal(compiled, eager)
