@@ -16,8 +16,9 @@ the targets come cut from the whole row's (labels and :func:`mtp_labels`; see
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ from moe_lc.model.moe import LatentMoE
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.precision import upcast
 from moe_lc.ops.documents import DocumentBounds
+from moe_lc.ops.linear_cross_entropy import linear_cross_entropy
 
 IGNORE_INDEX = -100
 
@@ -111,6 +113,24 @@ def mtp_labels(labels: torch.Tensor, docs: Optional[DocumentBounds] = None) -> t
     return targets
 
 
+@dataclass(frozen=True)
+class HeadLogits:
+    """The LM head's logits, not computed: the head's input and weight, which ``MoELCModel.lm_loss``
+    takes in place of logits to compute the loss and its gradients chunk by chunk without keeping
+    them (``moe_lc.ops.linear_cross_entropy``). Passed through ``lm_loss`` so that whatever wraps the
+    method (the profiler's ``moe_lc::loss`` range, ``moe_lc.metrics.breakdown``) sees the loss."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    vocab_size: int
+    chunk_tokens: int
+    backend: str
+
+    def cross_entropy(self, labels: torch.Tensor) -> torch.Tensor:
+        return linear_cross_entropy(self.hidden, self.weight, labels, self.vocab_size, self.chunk_tokens,
+                                    backend=self.backend)
+
+
 def language_model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy in fp32, ignoring IGNORE_INDEX (padding, document tails)."""
     return F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
@@ -133,6 +153,10 @@ class MoELCModel(nn.Module):
         self.mtp = MultiTokenPrediction(cfg) if cfg.mtp else None
         self.mtp_weight = 0.1
         self.loss_chunk_elements = 1 << 28  # logits elements per loss chunk when logits are not returned
+        # The loss without logits: the fused head and cross-entropy (HeadLogits) where the head is plain;
+        # False: checkpointed chunks (what tensor parallelism runs), for tests and comparisons.
+        self.fused_loss = True
+        self.loss_backend = "auto"  # the fused loss's elementwise part: "torch", "compiled" or "auto"
 
     def moe_layers(self) -> list[LatentMoE]:
         mods = [layer.ffn for layer in self.layers if layer.is_moe]
@@ -143,19 +167,53 @@ class MoELCModel(nn.Module):
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h)[..., : self.cfg.vocab_size]
 
-    def lm_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Token cross-entropy of the LM head; vocab-parallel TP swaps in its own (moe_lc.parallel)."""
+    def lm_loss(self, logits: Union[torch.Tensor, HeadLogits], labels: torch.Tensor) -> torch.Tensor:
+        """Token cross-entropy of the LM head's logits, or of ``HeadLogits`` (the fused path);
+        vocab-parallel TP swaps in its own (moe_lc.parallel)."""
+        if isinstance(logits, HeadLogits):
+            return logits.cross_entropy(labels)
         return language_model_loss(logits, labels)
+
+    def loss_chunk_tokens(self) -> int:
+        """Tokens per loss chunk: logits of at most ~``loss_chunk_elements`` (padded vocabulary) each."""
+        return max(1, self.loss_chunk_elements // self.cfg.padded_vocab_size)
+
+    def fuses_head_and_loss(self) -> bool:
+        """Whether the loss skips the logits (``HeadLogits``): ``fused_loss`` is on, the head is a plain
+        ``nn.Linear`` without bias over a plain tensor (not tensor parallelism's vocab-parallel head
+        over a DTensor, nor a torchao ``Float8Linear``) and ``lm_loss`` is this class's own."""
+        head = self.lm_head
+        return (self.fused_loss and type(head) is nn.Linear and head.bias is None
+                and type(head.weight) in (nn.Parameter, torch.Tensor) and self._loss_is_own())
+
+    def _loss_is_own(self) -> bool:
+        """``lm_loss`` is the method, or a function set on the instance around it (the profiler's
+        ``component_ranges`` wraps it so), not a loss object put in its place (TP's ``VocabParallelLoss``)."""
+        fn = self.lm_loss
+        if inspect.ismethod(fn):
+            return fn.__self__ is self and fn.__func__ is MoELCModel.lm_loss
+        return inspect.isfunction(fn)
+
+    def head_output(self, h: torch.Tensor) -> Union[torch.Tensor, HeadLogits]:
+        """What ``lm_loss`` takes for the final hidden states ``h``: ``HeadLogits`` where the loss is fused
+        (``fuses_head_and_loss``), else the logits."""
+        if not self.fuses_head_and_loss():
+            return self.logits_from_hidden(h)
+        return HeadLogits(h, self.lm_head.weight, self.cfg.vocab_size, self.loss_chunk_tokens(), self.loss_backend)
 
     def chunked_lm_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The LM loss without holding [tokens, vocab] logits at once (long-context training).
 
-        Tokens are cut into chunks whose logits stay under ~`loss_chunk_elements`; each chunk's
+        Fused (``fuses_head_and_loss``): each chunk's logits, loss and gradients are computed once in
+        the forward and only the gradients of h and W are kept (``moe_lc.ops.linear_cross_entropy``).
+        Else tokens are cut into chunks whose logits stay under ~`loss_chunk_elements`; each chunk's
         logits are recomputed in backward (activation checkpointing), so the peak is one chunk.
-        Equal to `lm_loss(logits_from_hidden(h), labels)` up to summation order.
+        Either is equal to `lm_loss(logits_from_hidden(h), labels)` up to summation order.
         """
+        if self.fuses_head_and_loss():
+            return self.lm_loss(self.head_output(h), labels)
         tokens = h.shape[0] * h.shape[1]
-        per_chunk = max(1, self.loss_chunk_elements // self.cfg.padded_vocab_size)
+        per_chunk = self.loss_chunk_tokens()
         if tokens <= per_chunk:
             return self.lm_loss(self.logits_from_hidden(h), labels)
         h_flat, y_flat = h.reshape(1, tokens, -1), labels.reshape(1, tokens)
@@ -245,7 +303,7 @@ class MoELCModel(nn.Module):
         """Predict labels[t+1] (``targets``, :func:`mtp_labels`) from h[t] and embed(labels[t]) (the token at t+1)."""
         next_tok = labels.clamp_min(0)
         mtp_h = self.mtp(h, self.embed(next_tok), docs)
-        return self.lm_loss(self.logits_from_hidden(mtp_h), targets)
+        return self.lm_loss(self.head_output(mtp_h), targets)
 
 
 def balance_loss(moe_layers: list[LatentMoE]) -> Optional[torch.Tensor]:

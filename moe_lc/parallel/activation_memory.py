@@ -326,17 +326,29 @@ def final_sources(cfg: ModelConfig) -> int:
     return sources_before_layer(cfg, cfg.num_layers)
 
 
-def outside_layers_bytes(cfg: ModelConfig, tokens: int, path: ExecutionPath, loss_chunk_elements: int = 1 << 28) -> float:
+def outside_layers_bytes(cfg: ModelConfig, tokens: int, path: ExecutionPath, loss_chunk_elements: int = 1 << 28,
+                         fused_loss: bool = True) -> float:
     """Bytes per token kept outside the decoder layers: the embedding, the output mixture and norm, the
-    LM loss (its log-probabilities unless the loss is computed in recomputed chunks) and the MTP head."""
+    LM loss and the MTP head.
+
+    The fused loss (``MoELCModel.fuses_head_and_loss``: a plain head, so not under tensor parallelism)
+    keeps the gradients it computed in the forward: of its input (the norm's dtype) and of the head's
+    weight (fp32, one per loss and micro-batch, spread here over its ``tokens``), for the LM and again
+    for the MTP loss; it keeps neither the norm's output nor any logits. Otherwise the LM loss keeps
+    its log-probabilities, unless it is computed in recomputed chunks, and the MTP loss (never chunked)
+    its log-probabilities."""
     d, A = cfg.d_model, path.act
     mixed = max(embedding_bytes(cfg, path), A)
     t = _Tally()
     t.saved(embedding_bytes(cfg, path) * d)  # the embedding (the first source)
-    chunked = tokens > max(1, loss_chunk_elements // cfg.padded_vocab_size)
+    head_grad = FP32 * cfg.padded_vocab_size * d / tokens  # the fused loss's weight gradient
+    chunked = not fused_loss and tokens > max(1, loss_chunk_elements // cfg.padded_vocab_size)
     # the LM head reads the final norm's output; recomputed loss chunks keep that output itself
-    _sublayer_input(t, cfg, final_sources(cfg), mixed, 1, replace(path, casts=False) if chunked else path)
-    if not chunked:
+    _sublayer_input(t, cfg, final_sources(cfg), mixed, 0 if fused_loss else 1,
+                    replace(path, casts=False) if chunked else path)
+    if fused_loss:
+        t.saved(mixed * d + head_grad)
+    elif not chunked:
         t.saved(FP32 * cfg.vocab_size)  # log-probabilities
     if cfg.mtp:
         t.saved(path.stream * d)  # the next token's embedding
@@ -344,8 +356,8 @@ def outside_layers_bytes(cfg: ModelConfig, tokens: int, path: ExecutionPath, los
         _norm(t, d, path.stream, path, readers=0)
         t.saved(2 * A * d)  # the projection's input
         t.saved(A * d)  # its output: the MTP layer's residual
-        _norm(t, d, A, path)
-        t.saved(FP32 * cfg.vocab_size)  # the MTP loss is not chunked
+        _norm(t, d, A, path, readers=0 if fused_loss else 1)
+        t.saved(A * d + head_grad if fused_loss else FP32 * cfg.vocab_size)
     return t.none
 
 
@@ -367,14 +379,16 @@ def estimate_activations(
     tokens: int,
     path: ExecutionPath = GPU_AUTOCAST,
     layers: Optional[list[LayerActivations]] = None,
+    fused_loss: bool = True,
 ) -> ActivationEstimate:
-    """What one micro-batch of ``tokens`` tokens keeps per token under ``policy`` on ``path``."""
+    """What one micro-batch of ``tokens`` tokens keeps per token under ``policy`` on ``path``
+    (``fused_loss``: as ``outside_layers_bytes``; False under tensor parallelism)."""
     layers = layers if layers is not None else layer_activations(cfg, path)
     by_layer = {}
     for i, layer in enumerate(layers):
         checkpointed = policy.checkpoints(i if layer.label != "mtp" else cfg.num_layers)
         by_layer[layer.label] = layer.under(policy.mode if checkpointed else CheckpointMode.none)
-    by_layer["other"] = outside_layers_bytes(cfg, tokens, path)
+    by_layer["other"] = outside_layers_bytes(cfg, tokens, path, fused_loss=fused_loss)
     return ActivationEstimate(policy, by_layer)
 
 

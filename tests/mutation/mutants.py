@@ -39,6 +39,7 @@ ACCOUNTING = "moe_lc/model/accounting.py"
 SITU = "moe_lc/ops/situ_glu.py"
 GROUPED = "moe_lc/ops/grouped_experts.py"
 ATTENTION = "moe_lc/ops/attention.py"
+FUSED_LOSS = "moe_lc/ops/linear_cross_entropy.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- normalisations
@@ -180,6 +181,16 @@ MUTANTS: tuple[Mutant, ...] = (
            "chunk_loss * h_c.shape[1], torch.zeros_like(chunk_loss)", "chunks weighted by their size, not their label tokens"),
     Mutant("logits-not-sliced", MODEL, "return self.lm_head(h)[..., : self.cfg.vocab_size]", "return self.lm_head(h)",
            "softmax over the vocabulary's padding rows"),
+    Mutant("fused-loss-over-padding-rows", MODEL,
+           "HeadLogits(h, self.lm_head.weight, self.cfg.vocab_size,", "HeadLogits(h, self.lm_head.weight, self.cfg.padded_vocab_size,",
+           "the fused loss's softmax over the vocabulary's padding rows"),
+    Mutant("fused-loss-ignored-rows-get-gradient", FUSED_LOSS,
+           "grad = torch.where(valid.unsqueeze(-1), torch.exp(x - lse) - onehot.to(x.dtype), 0.0)",
+           "grad = torch.exp(x - lse) - onehot.to(x.dtype)", "the fused loss's logit gradient not zeroed where the label is ignored"),
+    Mutant("fused-loss-gradient-not-scaled", FUSED_LOSS, "grad_h = dh * grad_total if dh is not None else None",
+           "grad_h = dh", "the fused loss's backward ignores the incoming gradient (1/n, the MTP weight)"),
+    Mutant("fused-loss-mean-over-all-positions", FUSED_LOSS, "return total / (y != IGNORE_INDEX).sum().clamp_min(1)",
+           "return total / y.numel()", "the fused loss divided by every position, not by the label tokens"),
     # -- initialisation
     Mutant("init-output-std-sqrt-l", INIT, "out_std = std / math.sqrt(2 * cfg.num_layers)", "out_std = std / math.sqrt(cfg.num_layers)",
            "output projections at 0.02/sqrt(L) instead of 0.02/sqrt(2L)"),
