@@ -8,7 +8,8 @@ Trains the recipe's first stage twice from the same seed on the same batches, on
   compares the eager fast path);
 - plain: every op on its PyTorch reference ("torch": the per-expert loop, SiTU in PyTorch, the
   chunked KDA in PyTorch, one SDPA per document, with cuDNN's SDPA off so that new document
-  lengths do not each build a plan), never compiled.
+  lengths do not each build a plan, the AttnRes mixture in PyTorch, the LM loss in checkpointed
+  chunks), the embedding kept fp32 in the stream (``fp32_embedding``), never compiled.
 
 and prints the two loss curves and their relative difference per step. Both run in bf16 under
 autocast, so they differ by bf16 rounding in different places; the check is that the difference
@@ -31,6 +32,7 @@ import time
 import torch
 
 import moe_lc.ops.attention as attention
+from moe_lc.model.attn_res import DepthMixer
 from moe_lc.model.ffn import GatedFFN
 from moe_lc.model.moe import RoutedExperts
 from moe_lc.train.curriculum import plan_curriculum, total_steps
@@ -56,12 +58,16 @@ def plain_attention():
 
 
 def use_reference_ops(model: torch.nn.Module) -> None:
-    """The experts' loop and SiTU in PyTorch wherever the model has them."""
+    """The experts' loop, SiTU and the AttnRes mixture in PyTorch wherever the model has them, and
+    the LM loss in checkpointed chunks (logits recomputed in backward) instead of the fused one."""
     for m in model.modules():
         if isinstance(m, RoutedExperts):
             m.backend = m.activation_backend = "torch"
         elif isinstance(m, GatedFFN):
             m.activation_backend = "torch"
+        elif isinstance(m, DepthMixer):
+            m.norm.backend = "torch"
+    model.fused_loss = False
 
 
 def train(cfg, runtime, steps: int, plain: bool) -> tuple[list[float], float]:
@@ -71,6 +77,7 @@ def train(cfg, runtime, steps: int, plain: bool) -> tuple[list[float], float]:
     model_cfg = copy.deepcopy(cfg.model)
     if plain:
         model_cfg.kda.backend = "torch"  # the chunked KDA and the short convolutions in PyTorch
+        model_cfg.fp32_embedding = True  # the stream as it was: fp32 mixtures (docs/design.md §7.5)
     state = build_model_state(model_cfg, cfg.optim, plan.layout, runtime, cfg.seed, plan.checkpointing, plan.seq_len,
                               compiled=None if plain else cfg.compile)
     if plain:
