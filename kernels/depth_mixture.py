@@ -27,12 +27,14 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # S = 10, without spills; only the backward at S = 32 spills (144 bytes).
 # ``l2_budget``: the bytes of rows in flight between a row's two reads that the grid is sized for:
 # programs = l2_budget / (ROWS x a row's bytes over the sources, and the gradient in the
-# backward), at least one per SM, against an H200's 50 MB L2 (k3-small, d = 2048, S = 7: 192
+# backward), at least one per SM, against an H200's 50 MB L2 (k3-small, d = 2048, S = 7: 320
 # forward programs). The bytes in flight are then about l2_budget x BLOCK_D / D, so a wide D
-# wants a larger BLOCK_D. ``programs`` overrides the grid (None: from the budget). Not yet
-# measured on the H200.
+# wants a larger BLOCK_D. ``programs`` overrides the grid (None: from the budget). Measured on
+# one H200 (benchmarks/bench_depth_mixture.py, 16384 x 2048, forward + backward): 40 MiB took
+# 0.918 / 1.551 ms at S = 4 / 7, 24 MiB 1.055 / 2.126, BLOCK_D 512 at 24 MiB 0.990 / 1.901, the
+# compiled PyTorch reference 1.012 / 1.699 (docs/performance.md §12.3).
 TUNING = dict(fwd_rows=4, fwd_block_d=256, fwd_warps=4, bwd_rows=4, bwd_block_d=256, bwd_warps=4,
-              l2_budget=24 << 20, programs=None)
+              l2_budget=40 << 20, programs=None)
 
 
 def _launch_shape(N: int, D: int, row_bytes: int, device: torch.device, prefix: str) -> tuple[int, int, int, int]:
