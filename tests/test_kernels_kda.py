@@ -205,6 +205,14 @@ def test_fused_worst_case_inverse_identical_keys_no_decay():
     assert rel(out, ref_out) < 1e-3 and rel(final, ref_final) < 1e-3
 
 
+def _round_f32_to_tf32(x: np.ndarray) -> np.ndarray:
+    """fp32 values rounded to tf32's 10 mantissa bits, to nearest with ties to even (the low 13 bits
+    cleared); finite inputs only, which is all the kernels' operands are."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0xFFF + ((bits >> 13) & 1)) & ~np.uint64(0x1FFF)
+    return bits.astype(np.uint32).view(np.float32).reshape(np.shape(x))
+
+
 @pytest.fixture
 def emulated_tf32(monkeypatch):
     """Triton's interpreter computes every dot exactly; round fp32 operands of "tf32" dots to tf32
@@ -221,8 +229,8 @@ def emulated_tf32(monkeypatch):
     def create_dot(self, a, b, acc, input_precision, max_num_imprecise_acc):
         name = str(input_precision).upper()
         if "TF32" in name and "X3" not in name and a.data.dtype == b.data.dtype == np.float32:
-            a = interp.TensorHandle(interp._round_f32_to_tf32(a.data), a.dtype.scalar)
-            b = interp.TensorHandle(interp._round_f32_to_tf32(b.data), b.dtype.scalar)
+            a = interp.TensorHandle(_round_f32_to_tf32(a.data), a.dtype.scalar)
+            b = interp.TensorHandle(_round_f32_to_tf32(b.data), b.dtype.scalar)
         return exact_dot(self, a, b, acc, input_precision, max_num_imprecise_acc)
 
     config = kda_mod._config

@@ -45,6 +45,8 @@ FAST_TESTS = (
     "tests/test_balancing.py",
     "tests/test_data_packing.py",
     "tests/test_accounting.py",
+    "tests/test_linear_cross_entropy.py",
+    "tests/test_depth_mixture.py",
 )
 
 
