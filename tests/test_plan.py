@@ -154,16 +154,22 @@ def test_the_memory_model_predicts_the_peaks_measured_on_an_h200_within_15_perce
 
 
 def test_one_process_has_no_fsdp_terms_and_a_loss_chunk_only_when_the_loss_is_chunked():
-    """No FSDP wraps a one-process model: no unsharded accumulation, no gathered parameters; the loss
-    keeps its log-probabilities among the activations up to 2**28 logits and recomputes chunks of
-    2**28 bf16 logits + fp32 log-probabilities beyond, which come and go before the layers' backward."""
+    """No FSDP wraps a one-process model: no unsharded accumulation, no gathered parameters. Its loss is
+    the fused one: one chunk of at most 2**28 bf16 logits and their bf16 gradient in flight in the
+    forward, whatever the tokens. Under tensor parallelism the loss keeps its log-probabilities among
+    the activations up to 2**28 logits and recomputes chunks of 2**28 bf16 logits + fp32
+    log-probabilities beyond; either comes and goes before the layers' backward."""
     cfg = get_preset("proxy")
     facts, vocab = model_facts(cfg), cfg.padded_vocab_size
-    short = MemoryModel(facts, StageShape(2**28 // vocab, 1, 16), "adamw")(layout(1), ActivationCheckpointing())
+    short = MemoryModel(facts, StageShape(2**28 // vocab // 2, 1, 16), "adamw")(layout(1), ActivationCheckpointing())
     long = MemoryModel(facts, StageShape(4 * 2**28 // vocab, 1, 16), "adamw")(layout(1), ActivationCheckpointing())
     for mem in (short, long):
         assert mem.accumulation == 0 and mem.buffers["fsdp"] == 0
-    assert short.logits == 0 and long.logits == 2**28 * (2 + 4)
+    assert short.logits == 2**27 * (2 + 2) and long.logits == 2**28 * (2 + 2)
+    tp = ParallelLayout(tp=2).resolve(2)
+    tp_short = MemoryModel(facts, StageShape(2 * 2**28 // vocab // 2, 1, 16), "adamw")(tp, ActivationCheckpointing())
+    tp_long = MemoryModel(facts, StageShape(2 * 4 * 2**28 // vocab, 1, 16), "adamw")(tp, ActivationCheckpointing())
+    assert tp_short.logits == 0 and tp_long.logits == 2**28 * (2 + 4)
     fixed = long.weights + long.gradients + long.optimizer + sum(long.buffers.values())
     assert long.training_peak == pytest.approx(fixed + long.activations + max(long.backward, long.logits), rel=REL)
     eight = MemoryModel(facts, StageShape(4096, 1, 64), "adamw")(layout(8), ActivationCheckpointing())

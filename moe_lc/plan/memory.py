@@ -18,9 +18,10 @@ the forward/backward's and the optimizer step's. Terms (bytes per GPU):
   keeping up to ``pp - s`` micro-batches on stage s; under cp the MLA layers that keep their keys
   and values keep them for the whole row (the gathered latents are up-projected on every rank).
 - backward: the recompute of one checkpointed layer (the share of it alive at once), the KDA
-  backward's buffers, gradients in flight; logits: one recomputed chunk of the loss (last stage,
-  when the loss is chunked; else its log-probabilities are among the activations). The two do not
-  overlap: the peak takes the larger.
+  backward's buffers, gradients in flight; logits: one chunk of the loss in flight (last stage; the
+  fused loss's bf16 logits and their gradient in the forward, or under tensor parallelism a
+  recomputed chunk when the loss is chunked, else its log-probabilities are among the
+  activations). The two do not overlap: the peak takes the larger.
 - buffers: FSDP's all-gathered bf16 parameters (the root's through the step, the largest unit and
   the next one prefetched) and that unit's unsharded gradients (bf16 and their fp32 copy); under
   bf16 autocast over fp32 weights (ZeRO-1, one GPU) the bf16 copy of every weight, experts
@@ -57,6 +58,9 @@ LOSS_CHUNK_ELEMENTS = 1 << 28  # MoELCModel.loss_chunk_elements: logits computed
 # bf16 logits and their fp32 log-probabilities, one recomputed chunk at a time (the gradient takes the
 # log-probabilities' place: measured 1.5 GiB above what is stored for 8192 x 32768 logits on an H200)
 LOSS_BYTES_PER_LOGIT = 2 + 4
+# The fused loss (one process or FSDP: a plain head, moe_lc.ops.linear_cross_entropy) holds one chunk's
+# bf16 logits and their bf16 gradient at a time, in the forward, and keeps no logits for backward.
+FUSED_LOSS_BYTES_PER_LOGIT = 2 + 2
 ADAMW_STATE = 8  # two fp32 moments
 MUON_STATE = 4  # one fp32 momentum buffer
 MUON_WORKING_BYTES = FP32 + 2 * 2  # per element of the largest whole matrix: fp32 update, bf16 iterate and result
@@ -164,14 +168,15 @@ class MemoryModel:
         return self._per_layer[path]
 
     def _kept_per_token(self, stage: PipelineStage, policy: ActivationCheckpointing, path: ExecutionPath,
-                        loss_tokens: int) -> float:
-        """Bytes per token the stage's blocks keep for backward under ``policy``."""
-        key = (stage.layers, stage.last, policy.mode, policy.every, path, loss_tokens)
+                        loss_tokens: int, fused_loss: bool) -> float:
+        """Bytes per token the stage's blocks keep for backward under ``policy`` (``fused_loss``: the loss
+        computes its gradients in the forward, as it does without tensor parallelism)."""
+        key = (stage.layers, stage.last, policy.mode, policy.every, path, loss_tokens, fused_loss)
         if key not in self._kept:
             per_policy = key[2:]
             if per_policy not in self._estimates:
                 self._estimates[per_policy] = estimate_activations(self.facts.cfg, policy, loss_tokens, path,
-                                                                   self._layers(path))
+                                                                   self._layers(path), fused_loss=fused_loss)
             est = self._estimates[per_policy]
             kept = sum(est.by_layer[f"layer{i}"] for i in stage.layers)
             if stage.last:  # embedding, output mixture, loss and MTP (the embedding's stream tensor is small)
@@ -218,7 +223,9 @@ class MemoryModel:
         accumulation = FP32 * local if fsdp and shape.grad_accum(L) > 1 and not L.reduce_every_micro_batch else 0.0
         logits = 0.0
         loss_tokens = shape.row_tokens // L.cp
-        if stage.last and loss_tokens * cfg.padded_vocab_size > LOSS_CHUNK_ELEMENTS:  # else kept: in the activations
+        if stage.last and L.tp == 1:  # the fused loss: one chunk in flight, whatever the tokens
+            logits = min(loss_tokens * cfg.padded_vocab_size, LOSS_CHUNK_ELEMENTS) * FUSED_LOSS_BYTES_PER_LOGIT
+        elif stage.last and loss_tokens * cfg.padded_vocab_size > LOSS_CHUNK_ELEMENTS:  # else kept: in the activations
             logits = min(loss_tokens * (cfg.padded_vocab_size // L.tp), LOSS_CHUNK_ELEMENTS) * LOSS_BYTES_PER_LOGIT
 
         tokens = shape.rank_tokens(L)
@@ -257,7 +264,7 @@ class MemoryModel:
     def _with_policy(self, fixed: MemoryBreakdown, stage: PipelineStage, L: Degrees,
                      policy: ActivationCheckpointing, path: ExecutionPath) -> MemoryBreakdown:
         tokens = self.shape.rank_tokens(L)
-        activations = tokens * self._kept_per_token(stage, policy, path, tokens * L.tp)  # the loss sees T / cp
+        activations = tokens * self._kept_per_token(stage, policy, path, tokens * L.tp, L.tp == 1)  # loss: T / cp
         if L.cp > 1:  # the whole row's keys and values, kept by each MLA layer that is not fully recomputed
             recomputed = policy.mode == CheckpointMode.full
             keeps_kv = sum(1 for i in stage.mla_layers if not (recomputed and policy.checkpoints(i)))
