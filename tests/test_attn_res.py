@@ -76,8 +76,8 @@ def test_one_source_is_that_source_and_zero_query_is_the_mean():
 
 
 def test_fp32_embedding_with_bf16_partial_sums_mixes_in_fp32():
-    """Under autocast the embedding is fp32 and the block sums bf16: the mixture is fp32, computed
-    from the bf16 values as they are (fp32 rounding only)."""
+    """With ``fp32_embedding`` under autocast the embedding is fp32 and the block sums bf16: the
+    mixture is fp32, computed from the bf16 values as they are (fp32 rounding only)."""
     mixer = mixer_with_random_parameters(torch.float32)
     sources = [s.detach().float() for s in random_sources(3)]
     sources = [sources[0]] + [s.bfloat16() for s in sources[1:]]
