@@ -56,6 +56,14 @@ step bench_k3_small_8k_one_row python -m moe_lc.cli bench k3-small-8k model.kda.
     --json "$OUT/bench_k3_small_8k_one_row.json"
 # the routed experts' grouped GEMMs, bf16 against float8, per GEMM (docs/performance.md §12.3)
 step expert_gemms python benchmarks/bench_expert_gemms.py
+# the fused LM loss against the checkpointed chunks, and the AttnRes mixture's kernels against the
+# reference (eager and compiled) with two other launch choices (docs/performance.md §12.3)
+step linear_cross_entropy python benchmarks/bench_linear_cross_entropy.py
+step depth_mixture python benchmarks/bench_depth_mixture.py --sources 4,7 \
+    --variants "fwd_block_d=512,bwd_block_d=512;l2_budget=25165824"
+# the bf16 stream against the fp32 embedding, same run
+step bench_k3_small_8k_fp32_embedding python -m moe_lc.cli bench k3-small-8k model.fp32_embedding=true --steps 3 \
+    --warmup 2 --json "$OUT/bench_k3_small_8k_fp32_embedding.json"
 step bench_proxy_256k python -m moe_lc.cli bench proxy-256k curriculum.stages.ctx256k.global_batch_tokens=262144 \
     --steps 2 --warmup 1 --json "$OUT/bench_proxy_256k.json"
 step compare_paths python benchmarks/compare_paths.py --recipe proxy-8k --steps 20 $S.global_batch_tokens=16384 \

@@ -177,6 +177,9 @@ COMMANDS: dict[str, object] = {
         "curriculum.stages.ctx8k.micro_batch=1",
         "moe-lc bench k3-small-8k --steps 4 --warmup 2",
         "moe-lc bench k3-small-8k model.fp32_embedding=true --steps 4 --warmup 2",
+        "python benchmarks/bench_linear_cross_entropy.py",
+        "python benchmarks/bench_depth_mixture.py --sources 4,7 "
+        '--variants "fwd_block_d=512,bwd_block_d=512;l2_budget=41943040"',
     )},
     # launch/ comments
     "bash launch/train_single_node.sh recipe=proxy-8k": Run(PROXY + " run_dir=runs/proxy-8k", env="MAX_RESTARTS=0"),
