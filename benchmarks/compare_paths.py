@@ -32,7 +32,6 @@ import time
 import torch
 
 import moe_lc.ops.attention as attention
-from moe_lc.model.attn_res import DepthMixer
 from moe_lc.model.ffn import GatedFFN
 from moe_lc.model.moe import RoutedExperts
 from moe_lc.train.curriculum import plan_curriculum, total_steps
@@ -58,16 +57,12 @@ def plain_attention():
 
 
 def use_reference_ops(model: torch.nn.Module) -> None:
-    """The experts' loop, SiTU and the AttnRes mixture in PyTorch wherever the model has them, and
-    the LM loss in checkpointed chunks (logits recomputed in backward) instead of the fused one."""
+    """The experts' loop and SiTU in PyTorch wherever the model has them."""
     for m in model.modules():
         if isinstance(m, RoutedExperts):
             m.backend = m.activation_backend = "torch"
         elif isinstance(m, GatedFFN):
             m.activation_backend = "torch"
-        elif isinstance(m, DepthMixer):
-            m.norm.backend = "torch"
-    model.fused_loss = False
 
 
 def train(cfg, runtime, steps: int, plain: bool) -> tuple[list[float], float]:
@@ -78,6 +73,8 @@ def train(cfg, runtime, steps: int, plain: bool) -> tuple[list[float], float]:
     if plain:
         model_cfg.kda.backend = "torch"  # the chunked KDA and the short convolutions in PyTorch
         model_cfg.fp32_embedding = True  # the stream as it was: fp32 mixtures (docs/design.md §7.5)
+        model_cfg.attn_res.backend = "torch"  # the depth mixture in PyTorch
+        model_cfg.fused_loss = False  # the LM loss in checkpointed chunks
     state = build_model_state(model_cfg, cfg.optim, plan.layout, runtime, cfg.seed, plan.checkpointing, plan.seq_len,
                               compiled=None if plain else cfg.compile)
     if plain:

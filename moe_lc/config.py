@@ -69,6 +69,7 @@ class AttnResConfig:
 
     mode: str = "block"  # none | block | full
     block_size: int = 12  # decoder layers per block (mode=block)
+    backend: str = "auto"  # the depth mixture: auto (Triton on CUDA) | torch | triton (moe_lc.ops.depth_mixture)
 
 
 @dataclass
@@ -113,6 +114,9 @@ class ModelConfig:
     # sublayer's output; true keeps it in the weights' dtype (fp32), which makes every AttnRes
     # mixture fp32 and every sublayer input one more cast (docs/design.md, "Precision").
     fp32_embedding: bool = False
+    # The training loss computes its gradients chunk by chunk in the forward where the head is plain
+    # (docs/design.md §7.1); false: checkpointed chunks whose logits are recomputed in backward.
+    fused_loss: bool = True
     norm_eps: float = 1e-6
     init_std: float = 0.02
 
@@ -179,6 +183,7 @@ class ModelConfig:
         a = self.attn_res
         _require(a.mode in ("none", "block", "full"), f"attn_res.mode={a.mode!r}: use none, block or full")
         _require(a.block_size > 0, f"attn_res.block_size={a.block_size} must be >= 1 decoder layer")
+        _require(a.backend in ("auto", "torch", "triton"), f"attn_res.backend={a.backend!r}: use auto, torch or triton")
 
         e = self.moe
         _require(e.num_routed > 0, f"moe.num_routed={e.num_routed} must be positive")

@@ -81,6 +81,22 @@ def test_under_autocast_the_embedding_enters_the_stream_in_autocasts_dtype_unles
         assert model.start_stream(ids).all_sources()[0].dtype == torch.float32
 
 
+def test_the_mixture_backend_and_the_fused_loss_come_from_the_config():
+    """``attn_res.backend`` reaches every depth mixer and ``fused_loss`` the model, so a recipe can run
+    the reference paths (compare_paths, a same-run baseline); a wrong backend is a config error."""
+    from moe_lc.model.attn_res import DepthMixer
+
+    model = build_model(tiny(**{"attn_res.backend": "torch", "fused_loss": False}), seed=0)
+    mixers = [m for m in model.modules() if isinstance(m, DepthMixer)]
+    assert mixers and all(m.norm.backend == "torch" for m in mixers)
+    assert model.fused_loss is False and not model.fuses_head_and_loss()
+    default = build_model(tiny(), seed=0)
+    assert all(m.norm.backend == "auto" for m in default.modules() if isinstance(m, DepthMixer))
+    assert default.fused_loss is True and default.fuses_head_and_loss()
+    with pytest.raises(ConfigError, match="attn_res.backend"):
+        tiny(**{"attn_res.backend": "cuda"})
+
+
 def test_attn_res_none_is_plain_residual():
     cfg = tiny(**{"attn_res.mode": "none"})
     model = build_model(cfg, seed=0).double()

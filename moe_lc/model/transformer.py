@@ -44,11 +44,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_idx, self.kind = layer_idx, kind
         d, eps = cfg.d_model, cfg.norm_eps
+        mixing = cfg.attn_res.backend
         # The very first sublayer sees one source (the embedding): softmax over it is 1, so no mixer.
-        self.attn_mixer = DepthMixer(d, eps) if use_attn_res and layer_idx > 0 else None
+        self.attn_mixer = DepthMixer(d, eps, mixing) if use_attn_res and layer_idx > 0 else None
         self.attn_norm = RMSNorm(d, eps)
         self.attn = KDAttention(d, cfg.kda, eps) if kind == "K" else GatedMLA(d, cfg.mla, eps)
-        self.ffn_mixer = DepthMixer(d, eps) if use_attn_res else None
+        self.ffn_mixer = DepthMixer(d, eps, mixing) if use_attn_res else None
         self.ffn_norm = RMSNorm(d, eps)
         m = cfg.moe
         if cfg.is_dense_layer(layer_idx):
@@ -147,15 +148,15 @@ class MoELCModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, kind, use_ar) for i, kind in enumerate(cfg.pattern)
         )
-        self.out_mixer = DepthMixer(d, cfg.norm_eps) if use_ar else None
+        self.out_mixer = DepthMixer(d, cfg.norm_eps, cfg.attn_res.backend) if use_ar else None
         self.final_norm = RMSNorm(d, cfg.norm_eps)
         self.lm_head = nn.Linear(d, cfg.padded_vocab_size, bias=False)
         self.mtp = MultiTokenPrediction(cfg) if cfg.mtp else None
         self.mtp_weight = 0.1
         self.loss_chunk_elements = 1 << 28  # logits elements per loss chunk when logits are not returned
         # The loss without logits: the fused head and cross-entropy (HeadLogits) where the head is plain;
-        # False: checkpointed chunks (what tensor parallelism runs), for tests and comparisons.
-        self.fused_loss = True
+        # False (cfg.fused_loss): checkpointed chunks (what tensor parallelism runs), for comparisons.
+        self.fused_loss = cfg.fused_loss
         self.loss_backend = "auto"  # the fused loss's elementwise part: "torch", "compiled" or "auto"
 
     def moe_layers(self) -> list[LatentMoE]:
