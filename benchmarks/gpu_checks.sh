@@ -61,7 +61,10 @@ step expert_gemms python benchmarks/bench_expert_gemms.py
 step linear_cross_entropy python benchmarks/bench_linear_cross_entropy.py
 step depth_mixture python benchmarks/bench_depth_mixture.py --sources 4,7 \
     --variants "fwd_block_d=512,bwd_block_d=512;l2_budget=25165824"
-# the bf16 stream against the fp32 embedding, same run
+# the step without the mixture kernels and the fused loss (the compiled reference and the
+# checkpointed chunks), and with the fp32 embedding: the same run's baselines
+step bench_k3_small_8k_reference_mix_loss python -m moe_lc.cli bench k3-small-8k model.attn_res.backend=torch \
+    model.fused_loss=false --steps 3 --warmup 2 --json "$OUT/bench_k3_small_8k_reference_mix_loss.json"
 step bench_k3_small_8k_fp32_embedding python -m moe_lc.cli bench k3-small-8k model.fp32_embedding=true --steps 3 \
     --warmup 2 --json "$OUT/bench_k3_small_8k_fp32_embedding.json"
 step bench_proxy_256k python -m moe_lc.cli bench proxy-256k curriculum.stages.ctx256k.global_batch_tokens=262144 \
