@@ -133,7 +133,8 @@ def test_fsdp_state_is_sharded_over_every_rank_and_accumulation_keeps_unsharded_
 
 # Peaks measured on one H200 (docs/performance.md §12.2 and §12.4): the proxy trained in one process
 # under bf16 autocast, eager, with KDA's six projections one by one (before kda.fused_projections)
-# and the embedding in fp32 (before it entered the stream in autocast's dtype);
+# and the embedding in fp32 (before it entered the stream in autocast's dtype), the LM loss in
+# checkpointed chunks (before the fused loss);
 # (seq_len, micro-batch, sequences per step, policy, GiB).
 H200_PEAKS = [
     (8192, 1, 1, "none", 17.4), (8192, 1, 1, "selective", 12.3), (8192, 1, 1, "full", 9.5),
@@ -148,6 +149,7 @@ def test_the_memory_model_predicts_the_peaks_measured_on_an_h200_within_15_perce
     cfg = get_preset("proxy")
     cfg.kda.fused_projections = False  # as they were measured
     cfg.fp32_embedding = True
+    cfg.fused_loss = False
     mem = MemoryModel(model_facts(cfg), StageShape(seq_len, micro_batch, sequences), "adamw")(
         layout(1), ActivationCheckpointing(policy))
     assert abs(mem.total / 2**30 / measured_gib - 1) <= 0.15, mem
@@ -170,6 +172,10 @@ def test_one_process_has_no_fsdp_terms_and_a_loss_chunk_only_when_the_loss_is_ch
     tp_short = MemoryModel(facts, StageShape(2 * 2**28 // vocab // 2, 1, 16), "adamw")(tp, ActivationCheckpointing())
     tp_long = MemoryModel(facts, StageShape(2 * 4 * 2**28 // vocab, 1, 16), "adamw")(tp, ActivationCheckpointing())
     assert tp_short.logits == 0 and tp_long.logits == 2**28 * (2 + 4)
+    cfg.fused_loss = False  # the checkpointed chunks on one process too
+    unfused = [MemoryModel(model_facts(cfg), StageShape(n, 1, 16), "adamw")(layout(1), ActivationCheckpointing())
+               for n in (2**28 // vocab // 2, 4 * 2**28 // vocab)]
+    assert unfused[0].logits == 0 and unfused[1].logits == 2**28 * (2 + 4)
     fixed = long.weights + long.gradients + long.optimizer + sum(long.buffers.values())
     assert long.training_peak == pytest.approx(fixed + long.activations + max(long.backward, long.logits), rel=REL)
     eight = MemoryModel(facts, StageShape(4096, 1, 64), "adamw")(layout(8), ActivationCheckpointing())

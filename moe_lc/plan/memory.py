@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from moe_lc.config import ModelConfig
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointMode
 from moe_lc.parallel.activation_memory import (
     FP32,
@@ -54,6 +55,13 @@ from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.plan.model_facts import EMBEDDING, MTP, ModelFacts, PipelineStage, Share
 
 GiB = 1024**3
+
+
+def _fused_loss(cfg: ModelConfig, L: Degrees) -> bool:
+    """Whether the loss computes its gradients in the forward (``MoELCModel.fuses_head_and_loss``): on
+    unless the model config turns it off or tensor parallelism splits the head."""
+    return cfg.fused_loss and L.tp == 1
+
 LOSS_CHUNK_ELEMENTS = 1 << 28  # MoELCModel.loss_chunk_elements: logits computed (and recomputed) per chunk
 # bf16 logits and their fp32 log-probabilities, one recomputed chunk at a time (the gradient takes the
 # log-probabilities' place: measured 1.5 GiB above what is stored for 8192 x 32768 logits on an H200)
@@ -223,7 +231,7 @@ class MemoryModel:
         accumulation = FP32 * local if fsdp and shape.grad_accum(L) > 1 and not L.reduce_every_micro_batch else 0.0
         logits = 0.0
         loss_tokens = shape.row_tokens // L.cp
-        if stage.last and L.tp == 1:  # the fused loss: one chunk in flight, whatever the tokens
+        if stage.last and _fused_loss(cfg, L):  # the fused loss: one chunk in flight, whatever the tokens
             logits = min(loss_tokens * cfg.padded_vocab_size, LOSS_CHUNK_ELEMENTS) * FUSED_LOSS_BYTES_PER_LOGIT
         elif stage.last and loss_tokens * cfg.padded_vocab_size > LOSS_CHUNK_ELEMENTS:  # else kept: in the activations
             logits = min(loss_tokens * (cfg.padded_vocab_size // L.tp), LOSS_CHUNK_ELEMENTS) * LOSS_BYTES_PER_LOGIT
@@ -264,7 +272,8 @@ class MemoryModel:
     def _with_policy(self, fixed: MemoryBreakdown, stage: PipelineStage, L: Degrees,
                      policy: ActivationCheckpointing, path: ExecutionPath) -> MemoryBreakdown:
         tokens = self.shape.rank_tokens(L)
-        activations = tokens * self._kept_per_token(stage, policy, path, tokens * L.tp, L.tp == 1)  # loss: T / cp
+        activations = tokens * self._kept_per_token(stage, policy, path, tokens * L.tp,  # the loss sees T / cp
+                                                    _fused_loss(self.facts.cfg, L))
         if L.cp > 1:  # the whole row's keys and values, kept by each MLA layer that is not fully recomputed
             recomputed = policy.mode == CheckpointMode.full
             keeps_kv = sum(1 for i in stage.mla_layers if not (recomputed and policy.checkpoints(i)))
