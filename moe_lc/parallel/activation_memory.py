@@ -327,7 +327,7 @@ def final_sources(cfg: ModelConfig) -> int:
 
 
 def outside_layers_bytes(cfg: ModelConfig, tokens: int, path: ExecutionPath, loss_chunk_elements: int = 1 << 28,
-                         fused_loss: bool = True) -> float:
+                         fused_loss: Optional[bool] = None) -> float:
     """Bytes per token kept outside the decoder layers: the embedding, the output mixture and norm, the
     LM loss and the MTP head.
 
@@ -336,7 +336,8 @@ def outside_layers_bytes(cfg: ModelConfig, tokens: int, path: ExecutionPath, los
     weight (fp32, one per loss and micro-batch, spread here over its ``tokens``), for the LM and again
     for the MTP loss; it keeps neither the norm's output nor any logits. Otherwise the LM loss keeps
     its log-probabilities, unless it is computed in recomputed chunks, and the MTP loss (never chunked)
-    its log-probabilities."""
+    its log-probabilities. ``fused_loss`` None: ``cfg.fused_loss``."""
+    fused_loss = cfg.fused_loss if fused_loss is None else fused_loss
     d, A = cfg.d_model, path.act
     mixed = max(embedding_bytes(cfg, path), A)
     t = _Tally()
@@ -379,10 +380,10 @@ def estimate_activations(
     tokens: int,
     path: ExecutionPath = GPU_AUTOCAST,
     layers: Optional[list[LayerActivations]] = None,
-    fused_loss: bool = True,
+    fused_loss: Optional[bool] = None,
 ) -> ActivationEstimate:
     """What one micro-batch of ``tokens`` tokens keeps per token under ``policy`` on ``path``
-    (``fused_loss``: as ``outside_layers_bytes``; False under tensor parallelism)."""
+    (``fused_loss``: as ``outside_layers_bytes``; False under tensor parallelism, None: the config's)."""
     layers = layers if layers is not None else layer_activations(cfg, path)
     by_layer = {}
     for i, layer in enumerate(layers):

@@ -13,7 +13,9 @@ Targets (``compile.targets``):
 
 - ``norms``: every RMSNorm of the model (the AttnRes mixers' norms belong to ``attn_res``);
 - ``attn_res``: every AttnRes depth mixer (norm of each source, scores, softmax over depth and the
-  weighted sum, with its hand-written backward);
+  weighted sum, with its hand-written backward). Where the mixture runs its Triton kernels
+  (``attn_res.backend`` auto on CUDA) they are a graph break and this fuses only the PyTorch
+  reference (``attn_res.backend=torch``);
 - ``float8``: every torchao float8 linear (``precision=fp8``): eager float8 runs its amax, scale and
   cast as separate kernels around each GEMM, which compiling fuses.
 - ``moe``: every LatentMoE layer's glue around its experts: the router, Quantile Balancing's

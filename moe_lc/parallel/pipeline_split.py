@@ -76,7 +76,7 @@ def part_costs(
         return kept[i].under(mode)
 
     embedding = embedding_bytes(cfg, path) * cfg.d_model  # the first source, kept by every mixer that reads it
-    outside = outside_layers_bytes(cfg, seq_len, path, fused_loss=cfg.fused_loss)
+    outside = outside_layers_bytes(cfg, seq_len, path)
     mtp_layer = under_policy(L) if cfg.mtp else 0.0
     return PartCosts(
         layer_flops=tuple(layer_training_flops(cfg, i, seq_len) for i in range(L)),
