@@ -43,6 +43,7 @@ from moe_lc.metrics import (
     device_memory_bytes, device_peak_flops, measured_matmul_peak, mfu, peak_memory_bytes, reset_peak_memory,
 )
 from moe_lc.metrics.breakdown import breakdown, component_ranges, host_breakdown, idle_share
+from moe_lc.metrics.gaps import find_gaps, format_gaps, load_trace
 from moe_lc.metrics.memory import allocator_counters
 from moe_lc.model.accounting import training_flops_per_token
 from moe_lc.parallel.compile import compiled_modules
@@ -187,6 +188,16 @@ def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled
                                    cfg.optim, runtime)
             with contextlib.closing(full_steps):
                 profile_result.full_step_idle_share = _full_step_idle_share(full_steps, show)
+            prefix = _trace_prefix(trace_dir, runtime)
+            if prefix is not None:
+                first += PROFILER_WARMUP_STEPS + 1
+                two = replace(plan, global_batch_tokens=min(plan.grad_accum, 2) * plan.micro_batch * plan.seq_len
+                              * plan.layout.dp) if plan.layout.pp == 1 else plan
+                gap_data = build_stage_data(two, cfg.data, cfg.model.vocab_size, cfg.seed, sync=runtime.rank0_first)
+                gap_steps = run_steps(state, gap_data, range(first, first + PROFILER_WARMUP_STEPS + 1), 0,
+                                      total_steps(plans), cfg.optim, runtime)
+                with contextlib.closing(gap_steps):
+                    _write_gaps(gap_steps, show, prefix)
     result = _result(cfg, plan, runtime, timed, wall, warmup, matmul_peak, profile_result)
     return replace(result, precision=result.precision + _compiled_note(state.model), allocator_per_step=allocator)
 
@@ -260,6 +271,20 @@ def _full_step_idle_share(taken_steps, show) -> float:
             show("traced", k, PROFILER_WARMUP_STEPS + 1, next(taken_steps))
             prof.step()
     return idle_share(prof.events(), device=True)
+
+
+def _write_gaps(taken_steps, show, prefix: Path) -> None:
+    """Where the GPU waits for the host in a step of two micro-batches (its start, the seam between
+    micro-batches, its end and optimizer), host ops and kernels traced: `moe_lc.metrics.gaps`."""
+    plan = schedule(wait=0, warmup=PROFILER_WARMUP_STEPS, active=1, repeat=1)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=plan) as prof:
+        for k in range(PROFILER_WARMUP_STEPS + 1):
+            show("gaps traced", k, PROFILER_WARMUP_STEPS + 1, next(taken_steps))
+            prof.step()
+    trace = Path(f"{prefix}_step_trace.json")
+    prof.export_chrome_trace(str(trace))
+    gaps, window, busy = find_gaps(load_trace(trace))
+    Path(f"{prefix}_gaps.txt").write_text(format_gaps(gaps, window, busy))
 
 
 def _max_over_ranks(value: float, runtime: Runtime) -> float:

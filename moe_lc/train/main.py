@@ -129,8 +129,9 @@ for the devices present (one process, or every rank under torchrun), runs W warm
 steps on its data and prints tokens/s, TFLOP/s and MFU per device (against the datasheet peak
 and a matmul peak measured here), peak memory and the mean step time; --profile adds the time
 per model component and the device's idle share from one profiled step; --trace DIR (implies
---profile) also writes that step's Chrome trace and its ops by self time into DIR. Writes nothing
-into run_dir and never resumes or saves a run."""
+--profile) also writes that step's Chrome trace and its ops by self time into DIR, and on a GPU
+where the device waits for the host in a step of two micro-batches (DIR/rank*_gaps.txt, from its
+trace DIR/rank*_step_trace.json). Writes nothing into run_dir and never resumes or saves a run."""
 
 
 def run_bench_cli(argv: Sequence[str]) -> int:
@@ -149,7 +150,7 @@ def run_bench_cli(argv: Sequence[str]) -> int:
     parser.add_argument("--json", default=None, metavar="PATH", help="write every number to PATH as JSON")
     parser.add_argument("--profile", action="store_true", help="profile one more step: time per component")
     parser.add_argument("--trace", default=None, metavar="DIR",
-                        help="with the profiled step, write its Chrome trace and an ops table into DIR")
+                        help="with the profiled step, write its Chrome trace, an ops table and the GPU's waits into DIR")
     opts = parser.parse_intermixed_args(list(argv))
     named = [a for a in opts.args if "=" not in a and not a.startswith(("+", "~"))]
     if len(named) > 1:
