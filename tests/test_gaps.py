@@ -33,6 +33,7 @@ def _trace():
         _x("kernel", "k2", 60, 5, tid=7, corr=2),
         _x("kernel", "k3", 100, 1, tid=7, corr=3),
         _x("gpu_memcpy", "Memcpy HtoD", 100.5, 5, tid=8, corr=4),
+        _x("kernel", "Command Buffer Full", 41, 18, tid=7, corr=5),  # the host waiting: not device work
         {"ph": "i", "cat": "kernel", "name": "instant", "ts": 300},  # not a span: ignored
     ]
 

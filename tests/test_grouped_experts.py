@@ -277,7 +277,7 @@ def test_a_step_casts_the_experts_weights_once_and_its_gradients_are_those_of_ca
     assert all(a is b for seen in cast[1:] for a, b in zip(seen, cast[0]))  # one copy for the whole step
     assert [w.dtype for w in cast[0]] == [torch.bfloat16] * 3
     for a, b in zip(once, per_micro_batch):
-        assert a.dtype == torch.float32 and torch.equal(a, b)
+        assert a.dtype == torch.float32 and a.is_contiguous() and torch.equal(a, b)
     assert experts.step_casts is None  # dropped when the step ends (the optimizer changes the weights)
     with reuse_weight_casts(experts):
         x = batches[0]

@@ -81,9 +81,24 @@ def test_idle_share_counts_kernels_not_the_ranges_over_them():
 
     events = [event("ProfilerStep#1", 0, 10, cpu, True), event("ProfilerStep#1", 0, 10, cuda, True),
               event("moe_lc::kda", 1, 9, cuda, True), event("kernel_a", 2, 4, cuda), event("kernel_b", 3, 5, cuda),
-              event("kernel_c", 7, 8, cuda), event("aten::mm", 1, 2, cpu)]
+              event("kernel_c", 7, 8, cuda), event("aten::mm", 1, 2, cpu),
+              event("Command Buffer Full", 5, 7, cuda)]  # the host waiting on the launch queue
     assert idle_share(events, device=True) == 1.0 - 4 / 10
     assert idle_share(events, device=False) == 1.0 - 1 / 10
+
+
+def test_the_launch_queue_marker_is_not_charged_as_kernel_time():
+    """CUPTI reports the host blocking on a full launch queue as a "kernel" of the op that launched
+    into it: it is not device work and must not count as the op's component's time."""
+    from types import SimpleNamespace
+
+    def kernel(name, us):
+        return SimpleNamespace(name=name, duration=us)
+
+    optimizer = SimpleNamespace(name="moe_lc::optimizer", cpu_parent=None, sequence_nr=-1, kernels=[])
+    step = SimpleNamespace(name="aten::_fused_adamw_", cpu_parent=optimizer, sequence_nr=-1,
+                           kernels=[kernel("multi_tensor_apply_kernel", 35_000.0), kernel("Command Buffer Full", 590_000.0)])
+    assert breakdown([optimizer, step], device=True) == {"optimizer": 35.0}
 
 
 def _sleeping(component: str, seconds: float):

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
+from moe_lc.metrics.breakdown import NOT_DEVICE_WORK
+
 DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 HOST_CATEGORIES = frozenset({"cpu_op", "user_annotation"})
 LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
@@ -84,7 +86,7 @@ def find_gaps(events: Iterable[dict[str, Any]], min_us: float = 0.0) -> tuple[li
         if e.get("ph") != "X":
             continue
         cat = e.get("cat", "")
-        if cat in DEVICE_CATEGORIES:
+        if cat in DEVICE_CATEGORIES and e["name"] not in NOT_DEVICE_WORK:
             device.append(e)
         elif cat in LAUNCH_CATEGORIES:
             corr = e.get("args", {}).get("correlation")

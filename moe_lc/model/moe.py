@@ -73,8 +73,31 @@ class RoutedExperts(nn.Module):
         if any(type(w) is not nn.Parameter or not w.is_floating_point() or w.dtype == dtype for w in weights):
             return weights  # sharded (DTensor) or already in the compute dtype: nothing to reuse
         if dtype not in self.step_casts:
-            self.step_casts[dtype] = tuple(w.to(dtype) for w in weights)
+            self.step_casts[dtype] = tuple(_CastAccumulatingInFp32.apply(w, dtype) for w in weights)
         return self.step_casts[dtype]
+
+
+class _CastAccumulatingInFp32(torch.autograd.Function):
+    """``weight.to(dtype)`` whose backward adds the incoming gradient straight into ``weight.grad``
+    (one mixed-dtype add: 10 bytes a parameter) instead of autograd's cast of it to the weight's
+    dtype and AccumulateGrad's add (18 bytes; the stacked experts are 3.4B parameters of k3-small,
+    accumulated over 8 micro-batches a step). The sums are bitwise the same: both upcast the bf16
+    gradient exactly and add in fp32. For plain parameters only (``compute_weights``): nothing
+    else (FSDP, a DDP hook) is waiting for their AccumulateGrad."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.weight = weight
+        return weight.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weight = ctx.weight
+        if weight.grad is None:
+            weight.grad = grad.to(weight.dtype, memory_format=torch.contiguous_format)
+        else:
+            weight.grad.add_(grad)
+        return None, None
 
 
 @contextlib.contextmanager
@@ -84,7 +107,8 @@ def reuse_weight_casts(model: nn.Module) -> Iterator[None]:
 
     The weights must not change inside (the optimizer steps after it): the copies are dropped on exit.
     Measured on one H200 (k3-small, 8K), these casts were ~9 ms of each micro-batch's ~585 ms.
-    Like autocast's own cache of its casts, the copies' backward is shared by every micro-batch.
+    Like autocast's own cache of its casts, the copies' backward is shared by every micro-batch; it
+    adds each micro-batch's gradient into the fp32 ``.grad`` directly (``_CastAccumulatingInFp32``).
     """
     experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
     for m in experts:
