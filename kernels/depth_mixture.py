@@ -23,17 +23,19 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Launch choices, per pass: ROWS rows of BLOCK_D columns per tile and program, and warps. With
 # BLOCK_D = 256 and ROWS = warps a warp owns one row of a tile (bf16: 16 bytes a lane), so the
 # reductions per tile and source stay within the warp (no barrier). Compiled for sm_90 with
-# Triton 3.6, 4 x 256 at 4 warps takes 64 (fwd) and 128 (bwd) registers at S = 7 and 96 / 168 at
-# S = 10, without spills; only the backward at S = 32 spills (144 bytes).
+# Triton 3.6, 4 x 256 at 4 warps took 64 (fwd) and 128 (bwd) registers at S = 7 and 96 / 168 at
+# S = 10, without spills; only the backward at S = 32 spilled (144 bytes); one row at one warp
+# takes fewer.
 # ``l2_budget``: the bytes of rows in flight between a row's two reads that the grid is sized for:
 # programs = l2_budget / (ROWS x a row's bytes over the sources, and the gradient in the
-# backward), at least one per SM, against an H200's 50 MB L2 (k3-small, d = 2048, S = 7: 320
-# forward programs). The bytes in flight are then about l2_budget x BLOCK_D / D, so a wide D
-# wants a larger BLOCK_D. ``programs`` overrides the grid (None: from the budget). Measured on
-# one H200 (benchmarks/bench_depth_mixture.py, 16384 x 2048, forward + backward): 40 MiB took
-# 0.918 / 1.551 ms at S = 4 / 7, 24 MiB 1.055 / 2.126, BLOCK_D 512 at 24 MiB 0.990 / 1.901, the
-# compiled PyTorch reference 1.012 / 1.699 (docs/performance.md §12.3).
-TUNING = dict(fwd_rows=4, fwd_block_d=256, fwd_warps=4, bwd_rows=4, bwd_block_d=256, bwd_warps=4,
+# backward), at least one per SM, against an H200's 50 MB L2. The bytes in flight are then about
+# l2_budget x BLOCK_D / D, so a wide D wants a larger BLOCK_D. ``programs`` overrides the grid
+# (None: from the budget). Measured on one H200 (benchmarks/bench_depth_mixture.py, 16384 x 2048,
+# forward + backward, S = 4 / 7): one row and one warp per program 0.652 / 1.144 ms; four rows
+# and four warps 0.918 / 1.551 (2 and 2: 0.751 / 1.397; 8 and 8: 1.023 / 1.633); four rows with
+# a fixed grid of 1,056 programs 0.832 / 1.074, with a 64 MiB budget 0.828 / 1.314, 20 MiB
+# 1.196 / 2.064; the compiled PyTorch reference 1.012 / 1.699 (docs/performance.md §12.3).
+TUNING = dict(fwd_rows=1, fwd_block_d=256, fwd_warps=1, bwd_rows=1, bwd_block_d=256, bwd_warps=1,
               l2_budget=40 << 20, programs=None)
 
 

@@ -98,7 +98,9 @@ def test_the_launch_queue_marker_is_not_charged_as_kernel_time():
     optimizer = SimpleNamespace(name="moe_lc::optimizer", cpu_parent=None, sequence_nr=-1, kernels=[])
     step = SimpleNamespace(name="aten::_fused_adamw_", cpu_parent=optimizer, sequence_nr=-1,
                            kernels=[kernel("multi_tensor_apply_kernel", 35_000.0), kernel("Command Buffer Full", 590_000.0)])
-    assert breakdown([optimizer, step], device=True) == {"optimizer": 35.0}
+    marker = SimpleNamespace(name="Command Buffer Full", cpu_parent=optimizer, sequence_nr=-1,
+                             kernels=[kernel("Command Buffer Full", 2_400_000.0)])  # as its own event too
+    assert breakdown([optimizer, step, marker], device=True) == {"optimizer": 35.0}
 
 
 def _sleeping(component: str, seconds: float):

@@ -164,6 +164,8 @@ def breakdown(events: Any, device: bool) -> dict[str, float]:
     forward_owner = _forward_owners(events)
     totals: dict[str, float] = defaultdict(float)
     for e in events:
+        if e.name in NOT_DEVICE_WORK:
+            continue
         if device:
             timed = [(k.name, k.duration) for k in e.kernels if k.name not in NOT_DEVICE_WORK]
         elif e.device_type == torch.autograd.DeviceType.CPU:
