@@ -46,9 +46,12 @@ step bench_k3_small_fp8_experts python -m moe_lc.cli bench proxy-8k model=k3-sma
     --json "$OUT/bench_k3_small_fp8_experts.json"
 # the KDA layer's host time part by part, with and without kda.fused_projections (docs/performance.md §12.3)
 step host_kda python benchmarks/host_time_kda.py
-# the k3-small recipe laid out for one H200 (two rows a micro-batch, every 4th layer checkpointed),
+# the k3-small recipe laid out for one H200 (two rows a micro-batch, nothing recomputed), with every
+# 4th layer checkpointed as before, and
 # without the fused KDA projections, and one row a micro-batch as before: the same run's baselines
 step bench_k3_small_8k python -m moe_lc.cli bench k3-small-8k --steps 3 --warmup 2 --json "$OUT/bench_k3_small_8k.json"
+step bench_k3_small_8k_every4 python -m moe_lc.cli bench k3-small-8k "$S.activation_checkpointing={mode: full, every: 4}" \
+    --steps 3 --warmup 2 --json "$OUT/bench_k3_small_8k_every4.json"
 step bench_k3_small_8k_six_proj python -m moe_lc.cli bench k3-small-8k model.kda.fused_projections=false --steps 3 \
     --warmup 2 --json "$OUT/bench_k3_small_8k_six_proj.json"
 step bench_k3_small_8k_one_row python -m moe_lc.cli bench k3-small-8k model.kda.fused_projections=false \

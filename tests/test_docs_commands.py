@@ -180,6 +180,7 @@ COMMANDS: dict[str, object] = {
         "python benchmarks/bench_linear_cross_entropy.py",
         "python benchmarks/bench_depth_mixture.py --sources 4,7 "
         '--variants "fwd_block_d=512,bwd_block_d=512;l2_budget=41943040"',
+        'moe-lc bench k3-small-8k "curriculum.stages.ctx8k.activation_checkpointing={mode: none}" --steps 3 --warmup 2',
     )},
     # launch/ comments
     "bash launch/train_single_node.sh recipe=proxy-8k": Run(PROXY + " run_dir=runs/proxy-8k", env="MAX_RESTARTS=0"),
