@@ -94,7 +94,7 @@ def measure(cfg, state, runtime, policy: ActivationCheckpointing, seq_len: int, 
     stage = dataclasses.replace(plan_curriculum(cfg, 1)[0], seq_len=seq_len, micro_batch=1,
                                 global_batch_tokens=seq_len, checkpointing=policy)
     predicted = estimate_stage(cfg, stage)
-    path = gpu_execution_path(stage.layout)
+    path = gpu_execution_path(stage.layout, cfg.compile)
     per_layer = estimate_activations(cfg.model, policy, seq_len, path, layer_activations(cfg.model, path))
     row: dict[str, Any] = dict(policy=policy.describe(), seq_len=seq_len, documents=documents,
                                predicted_stored_per_token=predicted.activations_gib * GiB / seq_len,

@@ -23,6 +23,7 @@ from moe_lc.parallel.activation_memory import (
     GPU_AUTOCAST, GPU_BF16_WEIGHTS, REFERENCE_FP32, embedding_bytes, estimate_activations, gpu_execution_path,
     layer_activations,
 )
+from moe_lc.parallel.compile import RegionalCompile
 from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.plan.hardware import ClusterRequest
 from moe_lc.plan.memory import MemoryModel, StageShape
@@ -153,6 +154,37 @@ def test_the_memory_model_predicts_the_peaks_measured_on_an_h200_within_15_perce
     mem = MemoryModel(model_facts(cfg), StageShape(seq_len, micro_batch, sequences), "adamw")(
         layout(1), ActivationCheckpointing(policy))
     assert abs(mem.total / 2**30 / measured_gib - 1) <= 0.15, mem
+
+
+# k3-small-8k's peaks on one H200 (docs/performance.md §12.3), as the recipe runs it: two 8K rows a
+# micro-batch, 16 a step, the MoE glue compiled (the default regional compile on one GPU), the
+# other defaults (bf16 stream, fused loss and KDA projections); (mode, every, GiB).
+K3_SMALL_H200_PEAKS = [("none", 1, 125.34), ("full", 10, 120.71), ("full", 4, 113.82)]
+
+
+@pytest.mark.parametrize("mode, every, measured_gib", K3_SMALL_H200_PEAKS)
+def test_the_memory_model_predicts_k3_small_8k_compiled_within_15_percent(mode, every, measured_gib):
+    cfg = get_preset("k3-small")
+    mem = MemoryModel(model_facts(cfg), StageShape(8192, 2, 16), "adamw", RegionalCompile(enabled="auto"))(
+        layout(1), ActivationCheckpointing(mode, every))
+    assert abs(mem.total / 2**30 / measured_gib - 1) <= 0.15, mem
+
+
+def test_compiled_moe_glue_keeps_the_expert_outputs_not_their_fp32_copy():
+    """The combine's weighting needs the expert outputs for the routing weights' gradient: eager bf16
+    keeps their fp32 upcast (4 bytes a value), the compiled glue the bf16 outputs themselves (2);
+    the sum over the k slots keeps nothing. The regional compile is on only where it runs: one GPU."""
+    cfg = get_preset("k3-small")
+    moe = cfg.moe
+    eager = layer_activations(cfg, GPU_AUTOCAST)
+    compiled = layer_activations(cfg, gpu_execution_path(layout(1), RegionalCompile(enabled="auto")))
+    per_moe_layer = (4 - 2) * moe.top_k * moe.latent_dim
+    for e, c, i in zip(eager, compiled, range(cfg.num_layers)):
+        assert e.none - c.none == (0 if cfg.is_dense_layer(i) else per_moe_layer), e.label
+        assert e.selective == c.selective
+    assert not gpu_execution_path(layout(8), RegionalCompile(enabled="auto")).compiled_moe  # auto: one GPU only
+    assert not gpu_execution_path(layout(1), RegionalCompile(enabled=False)).compiled_moe
+    assert not gpu_execution_path(layout(1), RegionalCompile(enabled=True, targets=["norms"])).compiled_moe
 
 
 def test_one_process_has_no_fsdp_terms_and_a_loss_chunk_only_when_the_loss_is_chunked():

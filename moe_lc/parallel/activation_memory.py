@@ -24,6 +24,7 @@ from typing import Optional
 
 from moe_lc.config import ModelConfig
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointMode
+from moe_lc.parallel.compile import CompileTarget, RegionalCompile
 from moe_lc.parallel.layout import ParallelLayout
 
 FP32 = 4
@@ -68,6 +69,7 @@ class ExecutionPath:
     stream: int  # bytes of the embedding and the AttnRes mixtures (the weights' dtype)
     casts: bool  # bf16 autocast over fp32 tensors: every linear keeps its own bf16 copy of its input
     fused: bool  # Triton KDA and short convolution, CUDA attention (else the torch reference ops)
+    compiled_moe: bool = False  # the MoE glue under regional compile (``compile.targets``' "moe")
 
 
 REFERENCE_FP32 = ExecutionPath(act=4, stream=4, casts=False, fused=False)  # CPU, fp32
@@ -81,11 +83,16 @@ def embedding_bytes(cfg: ModelConfig, path: ExecutionPath) -> int:
     return path.act if path.casts and not cfg.fp32_embedding else path.stream
 
 
-def gpu_execution_path(layout: ParallelLayout) -> ExecutionPath:
+def gpu_execution_path(layout: ParallelLayout, compile: Optional[RegionalCompile] = None) -> ExecutionPath:
     """How the layers run on GPUs under ``layout`` (resolved): FSDP with bf16 compute weights, else fp32
-    weights under bf16 autocast (one process, ZeRO-1, or FSDP with param_dtype float32)."""
+    weights under bf16 autocast (one process, ZeRO-1, or FSDP with param_dtype float32); with the MoE
+    glue compiled where ``compile`` (the run's policy, ``auto`` decided for the layout) compiles it."""
     bf16_weights = layout.wraps_with_fsdp and layout.param_dtype in ("auto", "bfloat16")
-    return GPU_BF16_WEIGHTS if bf16_weights else GPU_AUTOCAST
+    path = GPU_BF16_WEIGHTS if bf16_weights else GPU_AUTOCAST
+    if compile is not None:
+        resolved = compile.resolve("cuda", layout.world_size, layout.tp)
+        path = replace(path, compiled_moe=resolved.enabled is True and CompileTarget.moe in resolved.targets)
+    return path
 
 
 @dataclass
@@ -213,10 +220,12 @@ def _moe(t: _Tally, cfg: ModelConfig, path: ExecutionPath) -> None:
         t.matmul(A * width, saved=False)  # z (only gathered)
     t.saved(A * k * width)  # the gathered rows (the experts' input)
     _glu(t, k, e.expert_hidden, e.activation, path)
-    t.matmul(A * k * width, saved=A == FP32)  # expert outputs (kept by the weighting when fp32)
-    if A < FP32:
-        t.saved(FP32 * k * width)  # ... else their fp32 copy
-    t.saved(FP32 * k * width)  # weighted outputs
+    # the expert outputs: the combine's weighting keeps them for the weights' gradient when fp32 or
+    # compiled; in eager bf16 it keeps their fp32 copy instead (upcast, then the weighting; the sum
+    # over the slots keeps nothing)
+    t.matmul(A * k * width, saved=A == FP32 or path.compiled_moe)
+    if A < FP32 and not path.compiled_moe:
+        t.saved(FP32 * k * width)
     if e.latent_dim:
         if _norm(t, width, A, path):  # the combined u (fp32 when the model is)
             t.saved(A * width)

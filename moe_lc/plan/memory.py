@@ -51,6 +51,7 @@ from moe_lc.parallel.activation_memory import (
     layer_activations,
     sources_before_layer,
 )
+from moe_lc.parallel.compile import RegionalCompile
 from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.plan.model_facts import EMBEDDING, MTP, ModelFacts, PipelineStage, Share
 
@@ -163,8 +164,10 @@ class MemoryModel:
     """The memory of a model's steps for one stage shape; cheap to evaluate for many layouts (the
     per-layer sums are made once per pipeline split, policy and execution path)."""
 
-    def __init__(self, facts: ModelFacts, shape: StageShape, optimizer: str) -> None:
-        self.facts, self.shape, self.optimizer = facts, shape, optimizer
+    def __init__(self, facts: ModelFacts, shape: StageShape, optimizer: str,
+                 compile: Optional[RegionalCompile] = None) -> None:
+        """``compile``: the run's regional-compile policy (None: the layers run eagerly)."""
+        self.facts, self.shape, self.optimizer, self.compile = facts, shape, optimizer, compile
         self._per_layer: dict[ExecutionPath, list] = {}
         self._estimates: dict[tuple, ActivationEstimate] = {}
         self._kept: dict[tuple, float] = {}
@@ -203,7 +206,7 @@ class MemoryModel:
 
     def price(self, layout: ParallelLayout, policies: Sequence[ActivationCheckpointing]) -> list[MemoryBreakdown]:
         """The heaviest pipeline stage's memory under each of ``policies``."""
-        path, L = gpu_execution_path(layout), Degrees.of(layout)
+        path, L = gpu_execution_path(layout, self.compile), Degrees.of(layout)
         heaviest: list[Optional[MemoryBreakdown]] = [None] * len(policies)
         for stage in self.facts.pipeline_stages(L.pp):
             fixed = self._fixed(stage, L, path)

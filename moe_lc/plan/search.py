@@ -19,6 +19,7 @@ from typing import Optional
 
 from moe_lc.config import ConfigError
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointMode
+from moe_lc.parallel.compile import RegionalCompile
 from moe_lc.parallel.layout import DPMode, ParallelLayout
 from moe_lc.plan.hardware import Cluster
 from moe_lc.plan.memory import GiB, MemoryBreakdown, MemoryModel, StageShape
@@ -105,9 +106,10 @@ def candidate_layouts(facts: ModelFacts, shape: StageShape, cluster: Cluster,
 
 
 def recommend(facts: ModelFacts, optimizer: str, stage: str, shape: StageShape, steps: int, cluster: Cluster,
-              template: Optional[ParallelLayout] = None) -> Recommendation:
-    """Price every candidate layout and policy for one stage; the fastest that fits first."""
-    memory = MemoryModel(facts, shape, optimizer)
+              template: Optional[ParallelLayout] = None, compile: Optional[RegionalCompile] = None) -> Recommendation:
+    """Price every candidate layout and policy for one stage; the fastest that fits first (``compile``:
+    the run's regional-compile policy, decided per layout)."""
+    memory = MemoryModel(facts, shape, optimizer, compile)
     timing = TimeModel(facts, shape, cluster, optimizer)
     best_per_layout: list[Candidate] = []
     fastest_overall: list[Candidate] = []

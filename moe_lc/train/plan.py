@@ -66,7 +66,7 @@ def stage_shape(stage: StagePlan) -> StageShape:
 def estimate_stage(cfg: TrainConfig, stage: StagePlan) -> StageEstimate:
     """Memory and time of one stage under its own (resolved) layout and policy."""
     facts, shape = facts_of(cfg), stage_shape(stage)
-    memory = MemoryModel(facts, shape, cfg.optim.name)
+    memory = MemoryModel(facts, shape, cfg.optim.name, cfg.compile)
     policies = [ActivationCheckpointing(mode, stage.checkpointing.every) for mode in CheckpointMode]
     by_policy = {str(p.mode): m.activations / GiB for p, m in zip(policies, memory.price(stage.layout, policies))}
     cluster = default_cluster(stage.layout.world_size, stage.layout.gpus_per_node)
@@ -157,7 +157,7 @@ def recommend_text(cfg: TrainConfig, cluster: Cluster, runners_up: int = 3) -> s
     for name, st in stages.items():
         check_batch_shape(name, st, 1)
         shape = StageShape(st.seq_len, st.micro_batch, st.global_batch_tokens // st.seq_len)
-        rec = recommend(facts, cfg.optim.name, name, shape, steps[name], cluster, cfg.layout)
+        rec = recommend(facts, cfg.optim.name, name, shape, steps[name], cluster, cfg.layout, cfg.compile)
         lines += ["", *recommendation_lines(rec, cluster, runners_up)]
         if rec.best is None or hours is None:
             hours = None
