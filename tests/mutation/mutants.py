@@ -191,6 +191,12 @@ MUTANTS: tuple[Mutant, ...] = (
            "grad_h = dh", "the fused loss's backward ignores the incoming gradient (1/n, the MTP weight)"),
     Mutant("fused-loss-mean-over-all-positions", FUSED_LOSS, "return total / (y != IGNORE_INDEX).sum().clamp_min(1)",
            "return total / y.numel()", "the fused loss divided by every position, not by the label tokens"),
+    # -- the experts' weight gradients, accumulated over a step's micro-batches
+    Mutant("expert-grad-added-twice", MOE, "            weight.grad.add_(grad)", "            weight.grad.add_(grad, alpha=2)",
+           "each micro-batch after the first adds its experts' weight gradient twice"),
+    Mutant("expert-grad-overwritten", MOE, "        if weight.grad is None:\n            weight.grad = grad.to(",
+           "        if True:\n            weight.grad = grad.to(",
+           "each micro-batch's experts' weight gradient replaces the sum so far"),
     # -- initialisation
     Mutant("init-output-std-sqrt-l", INIT, "out_std = std / math.sqrt(2 * cfg.num_layers)", "out_std = std / math.sqrt(cfg.num_layers)",
            "output projections at 0.02/sqrt(L) instead of 0.02/sqrt(2L)"),

@@ -47,6 +47,7 @@ FAST_TESTS = (
     "tests/test_accounting.py",
     "tests/test_linear_cross_entropy.py",
     "tests/test_depth_mixture.py",
+    "tests/test_grouped_experts.py",
 )
 
 
