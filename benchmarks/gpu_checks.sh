@@ -46,10 +46,12 @@ step bench_k3_small_fp8_experts python -m moe_lc.cli bench proxy-8k model=k3-sma
     --json "$OUT/bench_k3_small_fp8_experts.json"
 # the KDA layer's host time part by part, with and without kda.fused_projections (docs/performance.md §12.3)
 step host_kda python benchmarks/host_time_kda.py
-# the k3-small recipe laid out for one H200 (two rows a micro-batch, nothing recomputed), with every
+# the k3-small recipe laid out for one H200 (two rows a micro-batch, nothing recomputed; traced: its
+# breakdown and where the GPU waits, trace_k3_small_8k/rank0_gaps.txt), with every
 # 4th layer checkpointed as before, and
 # without the fused KDA projections, and one row a micro-batch as before: the same run's baselines
-step bench_k3_small_8k python -m moe_lc.cli bench k3-small-8k --steps 3 --warmup 2 --json "$OUT/bench_k3_small_8k.json"
+step bench_k3_small_8k python -m moe_lc.cli bench k3-small-8k --steps 3 --warmup 2 --trace "$OUT/trace_k3_small_8k" \
+    --json "$OUT/bench_k3_small_8k.json"
 step bench_k3_small_8k_every4 python -m moe_lc.cli bench k3-small-8k "$S.activation_checkpointing={mode: full, every: 4}" \
     --steps 3 --warmup 2 --json "$OUT/bench_k3_small_8k_every4.json"
 step bench_k3_small_8k_six_proj python -m moe_lc.cli bench k3-small-8k model.kda.fused_projections=false --steps 3 \
@@ -63,7 +65,7 @@ step expert_gemms python benchmarks/bench_expert_gemms.py
 # reference (eager and compiled) with two other launch choices (docs/performance.md §12.3)
 step linear_cross_entropy python benchmarks/bench_linear_cross_entropy.py
 step depth_mixture python benchmarks/bench_depth_mixture.py --sources 4,7 \
-    --variants "fwd_block_d=512,bwd_block_d=512;l2_budget=25165824"
+    --variants "fwd_rows=4,fwd_warps=4,bwd_rows=4,bwd_warps=4;fwd_rows=2,fwd_warps=2,bwd_rows=2,bwd_warps=2;programs=1056"
 # the step without the mixture kernels and the fused loss (the compiled reference and the
 # checkpointed chunks), and with the fp32 embedding: the same run's baselines
 step bench_k3_small_8k_reference_mix_loss python -m moe_lc.cli bench k3-small-8k model.attn_res.backend=torch \
