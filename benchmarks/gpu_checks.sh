@@ -62,7 +62,7 @@ step bench_k3_small_8k_one_row python -m moe_lc.cli bench k3-small-8k model.kda.
 # the routed experts' grouped GEMMs, bf16 against float8, per GEMM (docs/performance.md §12.3)
 step expert_gemms python benchmarks/bench_expert_gemms.py
 # the fused LM loss against the checkpointed chunks, and the AttnRes mixture's kernels against the
-# reference (eager and compiled) with two other launch choices (docs/performance.md §12.3)
+# reference (eager and compiled) with three other launch choices (the 4-row default before) (docs/performance.md §12.3)
 step linear_cross_entropy python benchmarks/bench_linear_cross_entropy.py
 step depth_mixture python benchmarks/bench_depth_mixture.py --sources 4,7 \
     --variants "fwd_rows=4,fwd_warps=4,bwd_rows=4,bwd_warps=4;fwd_rows=2,fwd_warps=2,bwd_rows=2,bwd_warps=2;programs=1056"
