@@ -18,15 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
-from moe_lc.metrics.breakdown import NOT_DEVICE_WORK
+from moe_lc.metrics.breakdown import BACKWARD_NODE, NOT_DEVICE_WORK
 
 DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 HOST_CATEGORIES = frozenset({"cpu_op", "user_annotation"})
 LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
-WAIT_CALLS = ("Synchronize", "cudaMemcpy")  # a copy waits when it is long (pageable or device-to-host)
-WAIT_MIN_US = 50.0
+WAIT_MIN_US = 50.0  # a copy call this long waited (pageable memory, or device to host)
 STEP_PREFIX = "ProfilerStep#"
-BACKWARD_NODE = "autograd::engine::evaluate_function: "
 
 
 @dataclass(frozen=True)
@@ -77,6 +75,12 @@ def _region(chain: list[dict[str, Any]]) -> str:
     return chain[0]["name"] if chain else "(no host op)"
 
 
+def _is_wait(launch: dict[str, Any]) -> bool:
+    """A runtime call in which the host waited for the device: a synchronisation, a long copy."""
+    name = launch["name"]
+    return "Synchronize" in name or ("cudaMemcpy" in name and launch.get("dur", 0) >= WAIT_MIN_US)
+
+
 def find_gaps(events: Iterable[dict[str, Any]], min_us: float = 0.0) -> tuple[list[Gap], float, float]:
     """The device's gaps longer than ``min_us``, with the window (first device start to last device
     end) and the device's busy time in it, both in microseconds."""
@@ -92,7 +96,7 @@ def find_gaps(events: Iterable[dict[str, Any]], min_us: float = 0.0) -> tuple[li
             corr = e.get("args", {}).get("correlation")
             if corr is not None:
                 launches[corr] = e
-            if "Synchronize" in e["name"] or ("cudaMemcpy" in e["name"] and e.get("dur", 0) >= WAIT_MIN_US):
+            if _is_wait(e):
                 waits.append(e)
         elif cat in HOST_CATEGORIES:
             host[(e.get("pid"), e.get("tid"))].append(e)

@@ -191,8 +191,7 @@ def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled
             prefix = _trace_prefix(trace_dir, runtime)
             if prefix is not None:
                 first += PROFILER_WARMUP_STEPS + 1
-                two = replace(plan, global_batch_tokens=min(plan.grad_accum, 2) * plan.micro_batch * plan.seq_len
-                              * plan.layout.dp) if plan.layout.pp == 1 else plan
+                two = profiling_plan(plan, micro_batches=min(plan.grad_accum, 2))
                 gap_data = build_stage_data(two, cfg.data, cfg.model.vocab_size, cfg.seed, sync=runtime.rank0_first)
                 gap_steps = run_steps(state, gap_data, range(first, first + PROFILER_WARMUP_STEPS + 1), 0,
                                       total_steps(plans), cfg.optim, runtime)
@@ -211,12 +210,12 @@ def _progress(on: bool):
     return show
 
 
-def profiling_plan(plan: StagePlan) -> StagePlan:
-    """The stage with one micro-batch per data-parallel rank per step (a pipeline keeps its micro-batches,
-    which its schedule needs)."""
+def profiling_plan(plan: StagePlan, micro_batches: int = 1) -> StagePlan:
+    """The stage with ``micro_batches`` micro-batches per data-parallel rank per step (a pipeline keeps
+    its micro-batches, which its schedule needs)."""
     if plan.layout.pp > 1:
         return plan
-    return replace(plan, global_batch_tokens=plan.micro_batch * plan.seq_len * plan.layout.dp)
+    return replace(plan, global_batch_tokens=micro_batches * plan.micro_batch * plan.seq_len * plan.layout.dp)
 
 
 def _trace_prefix(trace_dir: Optional[str], runtime: Runtime) -> Optional[Path]:
