@@ -51,6 +51,8 @@ def test_bench_of_the_smoke_recipe_times_and_profiles_its_first_stage(tmp_path, 
     events = json.loads((trace / "rank0_trace.json").read_text())["traceEvents"]
     assert any(e.get("name", "").startswith("aten::mm") for e in events)
     assert "aten::" in (trace / "rank0_ops.txt").read_text()
+    kernels = (trace / "rank0_kernels.txt").read_text()  # each component's own ops, largest first
+    assert re.search(r"^experts: [\d.]+ ms in \d+ launches$", kernels, re.M) and "aten::" in kernels, kernels[:2000]
     shapes = (trace / "rank0_shapes.txt").read_text()  # the same ops by their input shapes
     assert "Input Shapes" in shapes and re.search(r"aten::mm .*\[\[\d+, \d+\], \[\d+, \d+\]\]", shapes), shapes[:3000]
     for line in ("tokens/s", "MFU", "measured matmul peak", "peak memory", "breakdown", "experts", "host wall"):

@@ -5,7 +5,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from moe_lc.metrics.breakdown import OTHER, breakdown, component_ranges, region
+from moe_lc.metrics.breakdown import (OTHER, breakdown, component_ranges, format_kernels_by_component,
+                                      kernels_by_component, region)
 from moe_lc.model.attn_res import DepthMixer
 from moe_lc.model.init import build_model
 from moe_lc.presets import get_preset
@@ -32,6 +33,22 @@ def test_every_component_of_the_tiny_model_is_charged_and_nothing_is_lost():
         assert parts.get(name, 0.0) > 0.0, (name, parts)
     own = sum(e.self_cpu_time_total for e in events if e.device_type == torch.autograd.DeviceType.CPU) / 1e3
     assert abs(sum(parts.values()) - own) <= 1e-6 * own
+
+
+def test_kernels_by_component_sum_to_the_breakdown_and_name_the_ops():
+    events = _profiled_step()
+    parts = breakdown(events, device=False)
+    table = kernels_by_component(events, device=False)
+    assert set(table) == set(parts)
+    for component, kernels in table.items():
+        assert abs(sum(ms for ms, _ in kernels.values()) - parts[component]) <= 1e-9 * max(parts[component], 1.0)
+        times = [ms for ms, _ in kernels.values()]
+        assert times == sorted(times, reverse=True)
+    # the experts' grouped GEMMs (one mm per expert on the CPU reference) are charged to the experts
+    assert any(name.startswith("aten::mm") or name.startswith("aten::bmm") for name in table["experts"])
+    text = format_kernels_by_component(table, rows=3)
+    assert text.splitlines()[0].startswith(next(iter(table)) + ":")
+    assert "attn_res:" in text
 
 
 def test_backward_nodes_are_charged_to_their_forward_component():

@@ -159,10 +159,9 @@ def _forward_owners(events: Any) -> dict[tuple[int, int], str]:
     return owners
 
 
-def breakdown(events: Any, device: bool) -> dict[str, float]:
-    """Milliseconds per component from a profiler's ``events()``; ``device``: kernel times (GPU)."""
+def _charged(events: Any, device: bool) -> Iterator[tuple[str, str, float]]:
+    """(component, kernel or op name, microseconds) for every timed kernel (GPU) or op (CPU)."""
     forward_owner = _forward_owners(events)
-    totals: dict[str, float] = defaultdict(float)
     for e in events:
         if e.name in NOT_DEVICE_WORK:
             continue
@@ -179,8 +178,40 @@ def breakdown(events: Any, device: bool) -> dict[str, float]:
             seq = _backward_seq(e)
             owner = forward_owner.get(seq) if seq is not None else None
         for name, us in timed:
-            totals[COMMUNICATION if "nccl" in name.lower() else owner or OTHER] += us / 1e3
+            yield COMMUNICATION if "nccl" in name.lower() else owner or OTHER, name, us
+
+
+def breakdown(events: Any, device: bool) -> dict[str, float]:
+    """Milliseconds per component from a profiler's ``events()``; ``device``: kernel times (GPU)."""
+    totals: dict[str, float] = defaultdict(float)
+    for owner, _, us in _charged(events, device):
+        totals[owner] += us / 1e3
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def kernels_by_component(events: Any, device: bool) -> dict[str, dict[str, tuple[float, int]]]:
+    """Per component, each kernel's (milliseconds, launches), largest first: what a component's
+    time is made of (its GEMMs against its copies and elementwise kernels)."""
+    table: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    for owner, name, us in _charged(events, device):
+        cell = table[owner][name]
+        cell[0] += us / 1e3
+        cell[1] += 1
+    order = sorted(table, key=lambda c: -sum(ms for ms, _ in table[c].values()))
+    return {c: {k: (ms, n) for k, (ms, n) in sorted(table[c].items(), key=lambda kv: -kv[1][0])} for c in order}
+
+
+def format_kernels_by_component(table: dict[str, dict[str, tuple[float, int]]], rows: int = 15,
+                                name_width: int = 90) -> str:
+    """``kernels_by_component`` as text: each component's total, then its ``rows`` largest kernels."""
+    lines = []
+    for component, kernels in table.items():
+        total = sum(ms for ms, _ in kernels.values())
+        lines.append(f"{component}: {total:.1f} ms in {sum(n for _, n in kernels.values())} launches")
+        for name, (ms, n) in list(kernels.items())[:rows]:
+            lines.append(f"  {ms:9.2f} ms {n:6d}x  {name[:name_width]}")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def idle_share(events: Any, device: bool) -> float:

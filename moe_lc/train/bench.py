@@ -42,7 +42,8 @@ from moe_lc.config import ConfigError
 from moe_lc.metrics import (
     device_memory_bytes, device_peak_flops, measured_matmul_peak, mfu, peak_memory_bytes, reset_peak_memory,
 )
-from moe_lc.metrics.breakdown import breakdown, component_ranges, host_breakdown, idle_share
+from moe_lc.metrics.breakdown import (breakdown, component_ranges, format_kernels_by_component, host_breakdown, idle_share,
+                                      kernels_by_component)
 from moe_lc.metrics.gaps import find_gaps, format_gaps, load_trace
 from moe_lc.metrics.memory import allocator_counters
 from moe_lc.model.accounting import training_flops_per_token
@@ -252,9 +253,11 @@ def _profile(taken_steps, model: torch.nn.Module, device: torch.device, show, mi
             if k >= PROFILER_WARMUP_STEPS:
                 times.append(taken.time_s)
             prof.step()
+    events = prof.events()
     if trace_prefix is not None:
         _write_trace(prof, trace_prefix, on_gpu)
-    events = prof.events()
+        table = format_kernels_by_component(kernels_by_component(events, device=on_gpu))
+        Path(f"{trace_prefix}_kernels.txt").write_text(table + "\n")
     per_step = {name: ms / PROFILED_STEPS for name, ms in breakdown(events, device=on_gpu).items()}
     host = {name: ms / PROFILED_STEPS for name, ms in host_breakdown(events).items()}
     return Profiled(PROFILED_STEPS, micro_batches, sum(times) / len(times), per_step,
