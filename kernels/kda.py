@@ -223,6 +223,9 @@ class _Flags:
     beta_sigmoid: bool
     scale: float
     lower_bound: float
+    # keep every chunk's start state and Delta = U - W S (bf16 by ``bwd_states``: (T/64) H K V + T H V
+    # values) from the forward's state pass for the backward, which then skips its own state pass
+    keep_states: bool = False
 
 
 def _config(q: Tensor, v: Tensor) -> dict:
@@ -311,6 +314,15 @@ def _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, *, init, transition, out=
         num_warps=TUNING["state_warps"], num_stages=TUNING["state_stages"],
     )
     return seg_end
+
+
+def _state_buffers(q: Tensor, v: Tensor, plan: "_Plan", cfg: dict) -> tuple[Tensor, Tensor]:
+    """Every chunk's start state [chunks, H, K, V] and Delta [T, H, V], in ``bwd_states``' dtypes."""
+    dtypes = bwd_dtypes(TUNING["bwd_states"], cfg["inter"])
+    total, heads, key_dim = q.shape
+    states = torch.empty(plan.num_chunks, heads, key_dim, v.shape[-1], device=q.device, dtype=dtypes["states"])
+    delta = torch.empty(total, heads, v.shape[-1], device=q.device, dtype=dtypes["delta"])
+    return states, delta
 
 
 def _segment_starts(kt, w, u, qg, kend, aqk, gc, plan, cfg, initial_state):
@@ -437,11 +449,15 @@ class _ChunkKDAFunction(torch.autograd.Function):
         else:
             seg_init = init
         o = torch.empty_like(v)
-        seg_end = _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, init=seg_init, transition=False, out=o)
+        states = delta = None
+        if flags.keep_states:  # the pass runs at the backward's precision (_state_operands), as it would there
+            states, delta = _state_buffers(q, v, plan, cfg)
+        seg_end = _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, init=seg_init, transition=False, out=o,
+                             states=states, delta=delta)
         final = seg_end[plan.last_seg]
         kept = {"none": (), "inverse": (aqk, x), "all": (*prep, gcum)}[TUNING["save_prep"]]
         del gcum
-        ctx.save_for_backward(q, k, v, gz, beta, A_log, dt_bias, seg_init, transitions, rnorm, *kept)
+        ctx.save_for_backward(q, k, v, gz, beta, A_log, dt_bias, seg_init, transitions, rnorm, states, delta, *kept)
         ctx.plan, ctx.flags, ctx.has_init = plan, flags, initial_state is not None
         ctx.init_dtype = None if initial_state is None else initial_state.dtype
         return o, final
@@ -450,7 +466,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
     def backward(ctx, do, dfinal):
         from moe_lc_kernels import kda_triton as kt
 
-        q, k, v, gz, beta, A_log, dt_bias, seg_init, transitions, rnorm, *kept = ctx.saved_tensors
+        q, k, v, gz, beta, A_log, dt_bias, seg_init, transitions, rnorm, states, delta, *kept = ctx.saved_tensors
         plan, flags = ctx.plan, ctx.flags
         cfg = _config(q, v)
         total, heads, key_dim = q.shape
@@ -464,10 +480,10 @@ class _ChunkKDAFunction(torch.autograd.Function):
             (w, u, qg, kend, aqk, gc, x), gcum, _ = _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan, flags, cfg,
                                                           scores=tuple(kept) or None, rnorm=rnorm)
         dtypes = bwd_dtypes(TUNING["bwd_states"], cfg["inter"])
-        states = torch.empty(plan.num_chunks, heads, key_dim, value_dim, device=q.device, dtype=dtypes["states"])
-        delta = torch.empty(total, heads, value_dim, device=q.device, dtype=dtypes["delta"])
-        _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, init=seg_init, transition=False, states=states,
-                   delta=delta)
+        if states is None:  # not kept by the forward: the state pass again, keeping them
+            states, delta = _state_buffers(q, v, plan, cfg)
+            _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, init=seg_init, transition=False, states=states,
+                       delta=delta)
 
         dh = torch.empty_like(states, dtype=dtypes["dh"])
         ddelta = torch.empty(total, heads, value_dim, device=q.device, dtype=dtypes["ddelta"])
@@ -579,6 +595,7 @@ def chunk_kda_fused(
     output_final_state: bool = False,
     seq_bounds: Sequence[int] | None = None,
     segment_chunks: int | None = None,
+    keep_states: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """KDA from raw projections, everything fused: returns ``(o, final_state or None)``.
 
@@ -587,6 +604,8 @@ def chunk_kda_fused(
     then KDA as :func:`chunk_kda_triton`. Shapes as there; ``A_log`` [H], ``dt_bias`` [H*K] or
     [H, K]. ``seq_bounds``: host boundaries of packed documents (0, ..., T; B must be 1).
     ``segment_chunks``: chunks per parallel segment (None: automatic, 0: never split).
+    ``keep_states``: the forward keeps every chunk's state for the backward ((T/64) H K V + T H V
+    bf16 values more), which then skips its own state pass; same gradients up to rounding.
     Differentiable in q, k, v, z, beta_logits, A_log, dt_bias and initial_state.
     """
     if lower_bound is None or not lower_bound < 0 or lower_bound < -GATE_SPAN_LIMIT:
@@ -601,7 +620,8 @@ def chunk_kda_fused(
         if dt_bias.numel() != heads * key_dim:
             raise ValueError(f"chunk_kda_fused: dt_bias must have H*K={heads * key_dim} entries, got {tuple(dt_bias.shape)}")
     flags = _Flags(gate_in_kernel=True, l2norm=True, beta_sigmoid=True,
-                   scale=key_dim**-0.5 if scale is None else float(scale), lower_bound=float(lower_bound))
+                   scale=key_dim**-0.5 if scale is None else float(scale), lower_bound=float(lower_bound),
+                   keep_states=keep_states)
     return _run(q, k, v, z, beta_logits, A_log, dt_bias, initial_state, output_final_state, flags, segment_chunks,
                 lens)
 

@@ -128,6 +128,20 @@ def test_policy_changes_in_place_and_leaves_the_parameters_alone():
         assert torch.equal(model(ids, docs=docs).logits, plain)
 
 
+def test_the_kda_states_setting_reaches_every_kda_layer_and_is_undone_with_the_policy():
+    from moe_lc.model.kda import KDAttention
+
+    cfg = tiny("block")
+    model = build_model(cfg, "cpu", seed=0)
+    kda = [m for m in model.modules() if isinstance(m, KDAttention)]
+    assert kda and not any(m.keep_states for m in kda)
+    apply_activation_checkpointing(model, ActivationCheckpointing("full", every=2, kda_states=True))
+    assert all(m.keep_states for m in kda)
+    assert "kda states" in activation_checkpointing_of(model).describe()
+    apply_activation_checkpointing(model, ActivationCheckpointing())
+    assert not any(m.keep_states for m in kda)
+
+
 def test_bad_policies_name_the_field_and_the_fix():
     with pytest.raises(ConfigError, match="activation_checkpointing.mode='partial': use one of none, selective, full"):
         ActivationCheckpointing("partial")
@@ -135,3 +149,5 @@ def test_bad_policies_name_the_field_and_the_fix():
         ActivationCheckpointing("full", every=0).check()
     with pytest.raises(ConfigError, match="offload with mode full and every 1 moves nothing"):
         ActivationCheckpointing("full", offload=True).check()
+    with pytest.raises(ConfigError, match="activation_checkpointing.kda_states='yes' must be true or false"):
+        ActivationCheckpointing(kda_states="yes").check()

@@ -145,6 +145,59 @@ def test_saved_prep_gives_the_same_gradients(monkeypatch, save_prep):
         assert torch.equal(a, b), n
 
 
+@pytest.mark.parametrize("segment_chunks", [0, 1])
+def test_states_kept_by_the_forward_give_the_same_output_and_gradients(segment_chunks):
+    """keep_states: the forward's state pass keeps every chunk's state and Delta, and the backward
+    skips its own. In fp32 the pass computes what the backward's would, so the output, final state
+    and every gradient are bit-identical to recomputing; across documents and segments alike, and
+    the result is still the float64 one."""
+    bounds = [0, 64, 150, 200]  # a document ending exactly at a chunk boundary, one crossing two chunks
+    x, h0 = raw_inputs(1, 200, 2, 16, 16, num_states=3, seed=6)
+    names = ("q", "k", "v", "z", "beta", "A_log", "dt_bias")
+    gen = torch.Generator().manual_seed(3)
+    do = torch.randn(1, 200, 2, 16, generator=gen).to(DEVICE)
+
+    def run(keep):
+        out, final = chunk_kda_fused(*(x[n] for n in names), initial_state=h0, output_final_state=True,
+                                     seq_bounds=bounds, segment_chunks=segment_chunks, keep_states=keep)
+        grads = torch.autograd.grad((out * do).sum() + final.square().sum(), [*(x[n] for n in names), h0])
+        return out, final, grads
+
+    out, final, grads = run(False)
+    kept_out, kept_final, kept_grads = run(True)
+    assert torch.equal(out, kept_out) and torch.equal(final, kept_final)
+    for n, a, b in zip([*names, "h0"], grads, kept_grads):
+        assert torch.equal(a, b), n
+    fresh = chunk_kda_fused(*(x[n] for n in names), initial_state=h0, output_final_state=True, seq_bounds=bounds,
+                            segment_chunks=segment_chunks, keep_states=True)
+    assert_matches(x, h0, *fresh, *fused_reference(x, h0, bounds))
+
+
+def test_kept_states_cost_what_the_planner_counts():
+    """The bytes keep_states adds to what the forward saves are every chunk's state and Delta in bf16:
+    ``fused_kda_kept_states_bytes_per_head`` per head and token, the planner's figure."""
+    from moe_lc.parallel.activation_memory import fused_kda_kept_states_bytes_per_head
+
+    heads, dim, tokens = 2, 16, 128
+    x, _ = raw_inputs(1, tokens, heads, dim, dim, seed=4)
+    inputs = [x[n].detach().to(torch.bfloat16).requires_grad_() if n not in ("A_log", "dt_bias") else x[n]
+              for n in ("q", "k", "v", "z", "beta", "A_log", "dt_bias")]
+
+    def saved_bytes(keep):
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            chunk_kda_fused(*inputs, keep_states=keep)
+        return sum(storages.values())
+
+    extra = saved_bytes(True) - saved_bytes(False)
+    assert extra == heads * tokens * fused_kda_kept_states_bytes_per_head(dim, dim)
+
+
 def test_fused_packed_documents_segmented():
     """Packed documents of uneven lengths (one shorter than a tile), per-document states, segments of
     one and two chunks so that documents span several segments and the prefix scan is exercised."""

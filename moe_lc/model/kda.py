@@ -49,6 +49,9 @@ class KDAttention(nn.Module):
             self.gate_proj = nn.Sequential(nn.Linear(d_model, r, bias=False), nn.Linear(r, inner, bias=False))
         self.o_norm = RMSNorm(K, norm_eps)
         self.o_proj = nn.Linear(inner, d_model, bias=False)
+        # what the recurrence keeps for backward: set from outside by the activation checkpointing
+        # policy (``kda_states``), as a memory trade, not part of the model's math
+        self.keep_states = False
         self.reset_gate_parameters()
 
     @torch.no_grad()
@@ -124,7 +127,7 @@ class KDAttention(nn.Module):
         lower = self.cfg.g_min if self.cfg.gate == "bounded" else None
         # L2 norm of q and k, the gate and beta's sigmoid run inside the kernels where they can
         o, _ = chunk_kda_from_projections(q, k, v, z, beta_logits, self.A_log, self.dt_bias, lower_bound=lower,
-                                          docs=docs, backend=self.cfg.backend)
+                                          docs=docs, backend=self.cfg.backend, keep_states=self.keep_states)
         return o
 
 

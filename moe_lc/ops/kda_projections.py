@@ -43,7 +43,7 @@ _torch = _composed
 
 
 def _triton(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state,
-            docs):
+            docs, keep_states: bool = False):
     from moe_lc_kernels.kda import GATE_SPAN_LIMIT, chunk_kda_fused, training_dims_ok
 
     if (lower_bound is None or not -GATE_SPAN_LIMIT <= lower_bound < 0
@@ -53,7 +53,7 @@ def _triton(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial
                         output_final_state, docs)
     return chunk_kda_fused(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound=lower_bound, scale=scale,
                            initial_state=initial_state, output_final_state=output_final_state,
-                           seq_bounds=None if docs is None else docs.host)
+                           seq_bounds=None if docs is None else docs.host, keep_states=keep_states)
 
 
 def _fla(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state,
@@ -95,12 +95,15 @@ def chunk_kda_from_projections(
     output_final_state: bool = False,
     docs: DocumentBounds | Tensor | None = None,
     backend: str = "auto",
+    keep_states: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """KDA on raw q, k (normalised here), v, the decay logit z [B, T, H, K] (gate as in
     :func:`kda_gate`: bounded with ``lower_bound``, softplus with None) and beta logits [B, T, H].
     ``docs``: packed documents as in :func:`chunk_kda`. Returns ``(o, final_state or None)`` like
     :func:`chunk_kda`; differentiable in every tensor. With a context-parallel shard on ``docs``
-    the inputs are this rank's local row, as in :func:`chunk_kda`."""
+    the inputs are this rank's local row, as in :func:`chunk_kda`. ``keep_states``: the fused Triton
+    kernels keep their per-chunk states for the backward instead of recomputing them (a memory
+    trade, ``activation_checkpointing.kda_states``; the other backends keep what they keep)."""
     docs = as_document_bounds(docs)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if docs is not None and docs.shard is not None:
@@ -122,6 +125,8 @@ def chunk_kda_from_projections(
     else:
         raise ValueError(f'chunk_kda_from_projections: unknown backend "{backend}"; choose one of '
                          f'{["auto", *dict.fromkeys([*_BACKENDS, *available_kda_backends()])]}')
+    if impl is _triton:
+        impl = partial(_triton, keep_states=keep_states)
     out, final = impl(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state,
                       docs)
     return out.to(v.dtype), final

@@ -57,6 +57,12 @@ BACKWARD_STREAM_GRADIENTS = 4
 RECOMPUTE_ALIVE_SHARE = {CheckpointMode.none: 0.0, CheckpointMode.selective: 0.25, CheckpointMode.full: 0.45}
 
 
+def fused_kda_kept_states_bytes_per_head(key_dim: int, value_dim: int) -> float:
+    """What ``activation_checkpointing.kda_states`` adds per head and token: every chunk's start
+    state (K x V per CHUNK tokens) and Delta (V), both bf16."""
+    return 2 * (key_dim * value_dim / KDA_CHUNK + value_dim)
+
+
 def fused_kda_backward_bytes_per_head(key_dim: int, value_dim: int) -> float:
     return key_dim * value_dim * (2 + FP32) / KDA_CHUNK + 2 * FP32 * key_dim
 
@@ -397,7 +403,12 @@ def estimate_activations(
     by_layer = {}
     for i, layer in enumerate(layers):
         checkpointed = policy.checkpoints(i if layer.label != "mtp" else cfg.num_layers)
-        by_layer[layer.label] = layer.under(policy.mode if checkpointed else CheckpointMode.none)
+        mode = policy.mode if checkpointed else CheckpointMode.none
+        by_layer[layer.label] = layer.under(mode)
+        if policy.kda_states and path.fused and mode != CheckpointMode.full and layer.label != "mtp" \
+                and cfg.pattern[i] == "K":
+            by_layer[layer.label] += cfg.kda.num_heads * fused_kda_kept_states_bytes_per_head(cfg.kda.head_dim,
+                                                                                             cfg.kda.head_dim)
     by_layer["other"] = outside_layers_bytes(cfg, tokens, path, fused_loss=fused_loss)
     return ActivationEstimate(policy, by_layer)
 
@@ -416,4 +427,6 @@ def backward_working_bytes_per_token(cfg: ModelConfig, policy: ActivationCheckpo
     kda = 0.0
     if path.fused and "K" in cfg.pattern:
         kda = cfg.kda.num_heads * fused_kda_backward_bytes_per_head(cfg.kda.head_dim, cfg.kda.head_dim)
+        if policy.kda_states:  # the per-chunk states are the forward's, counted with what is kept
+            kda -= cfg.kda.num_heads * 2 * cfg.kda.head_dim ** 2 / KDA_CHUNK
     return recompute + kda + BACKWARD_STREAM_GRADIENTS * FP32 * cfg.d_model

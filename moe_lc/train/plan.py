@@ -12,7 +12,7 @@ Two questions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from moe_lc.model.accounting import count_parameters, training_flops_per_token
@@ -67,7 +67,7 @@ def estimate_stage(cfg: TrainConfig, stage: StagePlan) -> StageEstimate:
     """Memory and time of one stage under its own (resolved) layout and policy."""
     facts, shape = facts_of(cfg), stage_shape(stage)
     memory = MemoryModel(facts, shape, cfg.optim.name, cfg.compile)
-    policies = [ActivationCheckpointing(mode, stage.checkpointing.every) for mode in CheckpointMode]
+    policies = [replace(stage.checkpointing, mode=mode) for mode in CheckpointMode]
     by_policy = {str(p.mode): m.activations / GiB for p, m in zip(policies, memory.price(stage.layout, policies))}
     cluster = default_cluster(stage.layout.world_size, stage.layout.gpus_per_node)
     time = TimeModel(facts, shape, cluster, cfg.optim.name)(stage.layout, stage.checkpointing)
