@@ -19,11 +19,11 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TUNING = dict(block=2048, warps=4)
 
 
-def _launch(kernel, n: int, *args) -> None:
+def _launch(kernel, n: int, *args, stacked: bool = False) -> None:
     import triton
 
     block = TUNING["block"]
-    kernel[(triton.cdiv(n, block),)](*args, BLOCK=block, num_warps=TUNING["warps"])
+    kernel[(triton.cdiv(n, block),)](*args, BLOCK=block, STACKED=stacked, num_warps=TUNING["warps"])
 
 
 class _SituGluFunction(torch.autograd.Function):
@@ -33,7 +33,7 @@ class _SituGluFunction(torch.autograd.Function):
 
         h = torch.empty_like(a)
         if a.numel():
-            _launch(kt.situ_glu_fwd_kernel, a.numel(), a, c, h, a.numel(), beta1, beta2)
+            _launch(kt.situ_glu_fwd_kernel, a.numel(), a, c, h, a.numel(), 1, beta1, beta2)
         ctx.save_for_backward(a, c)
         ctx.betas = (beta1, beta2)
         return h
@@ -46,8 +46,39 @@ class _SituGluFunction(torch.autograd.Function):
         dh = dh.contiguous()
         da, dc = torch.empty_like(a), torch.empty_like(c)
         if a.numel():
-            _launch(kt.situ_glu_bwd_kernel, a.numel(), a, c, dh, da, dc, a.numel(), *ctx.betas)
+            _launch(kt.situ_glu_bwd_kernel, a.numel(), a, c, dh, da, dc, a.numel(), 1, *ctx.betas)
         return da, dc, None, None
+
+
+class _StackedSituGluFunction(torch.autograd.Function):
+    """SiTU of the halves of each row of y [rows, 2 hidden]; the backward writes dy in one tensor
+    (no concatenation of da and dc for the GEMM before it, which produced y as one output)."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, beta1: float, beta2: float) -> Tensor:
+        from moe_lc_kernels import situ_glu_triton as kt
+
+        hidden = y.shape[-1] // 2
+        h = y.new_empty(*y.shape[:-1], hidden)
+        if h.numel():
+            _launch(kt.situ_glu_fwd_kernel, h.numel(), y, y[..., hidden:], h, h.numel(), hidden, beta1, beta2,
+                    stacked=True)
+        ctx.save_for_backward(y)
+        ctx.betas = (beta1, beta2)
+        return h
+
+    @staticmethod
+    def backward(ctx, dh: Tensor):
+        from moe_lc_kernels import situ_glu_triton as kt
+
+        y, = ctx.saved_tensors
+        hidden = y.shape[-1] // 2
+        dh = dh.contiguous()
+        dy = torch.empty_like(y)
+        if dh.numel():
+            _launch(kt.situ_glu_bwd_kernel, dh.numel(), y, y[..., hidden:], dh, dy, dy[..., hidden:], dh.numel(),
+                    hidden, *ctx.betas, stacked=True)
+        return dy, None, None
 
 
 def situ_glu_triton(a: Tensor, c: Tensor, beta1: float = 4.0, beta2: float = 25.0) -> Tensor:
@@ -62,3 +93,12 @@ def situ_glu_triton(a: Tensor, c: Tensor, beta1: float = 4.0, beta2: float = 25.
     if a.dtype not in DTYPES:
         raise ValueError(f"situ_glu_triton: a and c must be fp32/bf16/fp16, got {a.dtype}")
     return _SituGluFunction.apply(a.contiguous(), c.contiguous(), float(beta1), float(beta2))
+
+
+def situ_glu_stacked_triton(y: Tensor, beta1: float = 4.0, beta2: float = 25.0) -> Tensor:
+    """SiTU(a, c) with a, c the first and second halves of y's last dim, output [..., hidden] in y's
+    dtype; differentiable in y. Use ``moe_lc.ops.situ_glu.glu_activation_stacked``."""
+    if y.shape[-1] % 2 or y.dtype not in DTYPES:
+        raise ValueError(f"situ_glu_stacked_triton: y must be fp32/bf16/fp16 with an even last dim, got "
+                         f"{tuple(y.shape)} {y.dtype}")
+    return _StackedSituGluFunction.apply(y.contiguous(), float(beta1), float(beta2))

@@ -286,6 +286,51 @@ def test_a_step_casts_the_experts_weights_once_and_its_gradients_are_those_of_ca
         assert experts.compute_weights(x)[0] is experts.w_gate  # autocast off
 
 
+@needs_grouped_mm
+@pytest.mark.parametrize("activation_backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_a_step_stacks_gate_and_input_weights_into_one_grouped_gemm(activation_backend):
+    """Within reuse_weight_casts on the grouped GEMM, W_gate and W_in go to the GEMM stacked ([E, 2h, l],
+    one cast writing both halves) and the activation reads the GEMM's [rows, 2h] output in place: the
+    output, dx and the fp32 weight gradients over three micro-batches are the unstacked path's within
+    bf16 rounding (the GEMMs sum the same bf16 products, dx in one reduction instead of two summed),
+    and nothing else is cast for the step."""
+    from moe_lc.model.moe import RoutedExperts, reuse_weight_casts
+
+    width, hidden = 2 * WIDTH, 2 * HIDDEN
+    experts = RoutedExperts(len(COUNTS), width, hidden, "situ", B1, B2, backend="grouped",
+                            activation_backend=activation_backend)
+    with torch.no_grad():
+        for w, g in zip((experts.w_gate, experts.w_in, experts.w_out), weights(width=width, hidden=hidden)):
+            w.copy_(g)
+    gen = torch.Generator().manual_seed(4)
+    batches = [torch.randn(sum(COUNTS), width, generator=gen).bfloat16() for _ in range(3)]
+    counts = torch.tensor(COUNTS)
+
+    def step(reuse: bool):
+        experts.zero_grad(set_to_none=True)
+        outs, dxs = [], []
+        with reuse_weight_casts(experts) if reuse else contextlib.nullcontext():
+            for x in batches:
+                x = x.clone().requires_grad_(True)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    y = experts(x, counts)
+                (y.float() ** 2).sum().backward()
+                outs.append(y.detach().float())
+                dxs.append(x.grad.float())
+            casts = None if experts.step_casts is None else dict(experts.step_casts)
+        return outs, dxs, [w.grad.clone() for w in (experts.w_gate, experts.w_in, experts.w_out)], casts
+
+    stacked = step(reuse=True)
+    plain = step(reuse=False)
+    assert list(stacked[3]) == [("stacked", torch.bfloat16)]  # the one stacked copy, no per-weight copies
+    assert stacked[3][("stacked", torch.bfloat16)][0].shape == (len(COUNTS), 2 * hidden, width)
+    for name, got, want in zip(["y", "dx", "grads"], stacked[:3], plain[:3]):
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape, name
+            assert torch.allclose(g, w, rtol=0, atol=8 * 2**-8 * w.abs().max().item()), name
+    assert all(g.dtype == torch.float32 and g.is_contiguous() for g in stacked[2])
+
+
 # ----------------------------------------------------------------------------- on a GPU
 
 

@@ -25,7 +25,7 @@ from moe_lc.model.balancing import ExpertBalancer
 from moe_lc.model.ffn import GatedFFN
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.precision import upcast
-from moe_lc.ops.grouped_experts import grouped_glu
+from moe_lc.ops.grouped_experts import grouped_glu, grouped_glu_stacked, resolve_backend
 
 
 class RoutedExperts(nn.Module):
@@ -55,6 +55,10 @@ class RoutedExperts(nn.Module):
         self.step_casts: Optional[dict] = None  # autocast copies of the weights for one step (reuse_weight_casts)
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        stacked = self.stacked_step_weights(x_sorted)
+        if stacked is not None and x_sorted.shape[0]:
+            return grouped_glu_stacked(x_sorted.to(stacked[0].dtype), tokens_per_expert, *stacked, self.activation,
+                                       self.beta1, self.beta2, activation_backend=self.activation_backend)
         return grouped_glu(
             x_sorted, tokens_per_expert, *self.compute_weights(x_sorted), self.activation, self.beta1,
             self.beta2, backend=self.backend, activation_backend=self.activation_backend,
@@ -64,17 +68,43 @@ class RoutedExperts(nn.Module):
         """The three weights as the GEMMs take them: within ``reuse_weight_casts``, under autocast and
         with grad on, autocast's copies made once and reused by every micro-batch (their backward
         still accumulates into the fp32 weights' gradients); the weights themselves otherwise."""
-        weights = (self.w_gate, self.w_in, self.w_out)
+        dtype = self._step_cast_dtype(x)
+        if dtype is None:
+            return self.w_gate, self.w_in, self.w_out
+        if dtype not in self.step_casts:
+            self.step_casts[dtype] = tuple(_CastAccumulatingInFp32.apply(w, dtype)
+                                           for w in (self.w_gate, self.w_in, self.w_out))
+        return self.step_casts[dtype]
+
+    def stacked_step_weights(self, x: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(W_gate and W_in stacked [E, 2h, l], W_out) in autocast's dtype, made once a step, where the
+        step's casts are reused (``compute_weights``) and the grouped GEMM runs them; else None. The
+        cast writes both halves of one tensor, so stacking costs no copy of its own."""
+        dtype = self._step_cast_dtype(x)
+        if dtype is None or self.backend not in ("auto", "grouped"):
+            return None
+        key = ("stacked", dtype)
+        if key not in self.step_casts:
+            w_out = _CastAccumulatingInFp32.apply(self.w_out, dtype)
+            stacked = _StackedCastAccumulatingInFp32.apply(self.w_gate, self.w_in, dtype)
+            hidden = self.w_gate.shape[1]
+            grouped = resolve_backend(x.to(dtype), stacked[:, :hidden], stacked[:, hidden:], w_out,
+                                      self.backend) == "grouped"
+            self.step_casts[key] = (stacked, w_out) if grouped else None  # None: not again this step
+        return self.step_casts[key]
+
+    def _step_cast_dtype(self, x: torch.Tensor) -> Optional[torch.dtype]:
+        """Autocast's dtype where this step's weight copies are reused (``reuse_weight_casts``, grad and
+        autocast on, plain fp32 parameters, not float8), else None."""
         device_type = x.device.type
         if (self.step_casts is None or self.backend == "float8" or not torch.is_grad_enabled()
                 or not torch.is_autocast_enabled(device_type)):
-            return weights
+            return None
         dtype = torch.get_autocast_dtype(device_type)
+        weights = (self.w_gate, self.w_in, self.w_out)
         if any(type(w) is not nn.Parameter or not w.is_floating_point() or w.dtype == dtype for w in weights):
-            return weights  # sharded (DTensor) or already in the compute dtype: nothing to reuse
-        if dtype not in self.step_casts:
-            self.step_casts[dtype] = tuple(_CastAccumulatingInFp32.apply(w, dtype) for w in weights)
-        return self.step_casts[dtype]
+            return None  # sharded (DTensor) or already in the compute dtype: nothing to reuse
+        return dtype
 
 
 class _CastAccumulatingInFp32(torch.autograd.Function):
@@ -98,6 +128,30 @@ class _CastAccumulatingInFp32(torch.autograd.Function):
         else:
             weight.grad.add_(grad)
         return None, None
+
+
+class _StackedCastAccumulatingInFp32(torch.autograd.Function):
+    """``torch.cat([w_gate, w_in], 1).to(dtype)`` written by the cast itself, whose backward adds each
+    half of the incoming gradient into its weight's fp32 ``.grad`` (as ``_CastAccumulatingInFp32``)."""
+
+    @staticmethod
+    def forward(ctx, w_gate: torch.Tensor, w_in: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.weights = (w_gate, w_in)
+        hidden = w_gate.shape[1]
+        out = w_gate.new_empty(w_gate.shape[0], 2 * hidden, w_gate.shape[2], dtype=dtype)
+        out[:, :hidden].copy_(w_gate)
+        out[:, hidden:].copy_(w_in)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        hidden = ctx.weights[0].shape[1]
+        for weight, part in zip(ctx.weights, (grad[:, :hidden], grad[:, hidden:])):
+            if weight.grad is None:
+                weight.grad = part.to(weight.dtype, memory_format=torch.contiguous_format)
+            else:
+                weight.grad.add_(part)
+        return None, None, None
 
 
 @contextlib.contextmanager

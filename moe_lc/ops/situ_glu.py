@@ -17,10 +17,10 @@ from torch import Tensor
 
 from moe_lc.ops.backend_choice import choose_backend
 from moe_lc_kernels import triton_available
-from moe_lc_kernels.situ_glu import situ_glu_triton
+from moe_lc_kernels.situ_glu import situ_glu_stacked_triton, situ_glu_triton
 
-__all__ = ["situ_glu_reference", "situ_glu", "swiglu", "glu_activation", "resolve_backend",
-           "triton_unsupported_reason"]
+__all__ = ["situ_glu_reference", "situ_glu", "swiglu", "glu_activation", "glu_activation_stacked",
+           "resolve_backend", "triton_unsupported_reason"]
 
 ACTIVATIONS = ("situ", "swiglu")
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -73,3 +73,13 @@ def glu_activation(a: Tensor, c: Tensor, kind: str, beta1: float, beta2: float, 
     if kind == "swiglu":
         return swiglu(a, c)
     raise ValueError(f"unknown GLU activation {kind!r}; use one of {list(ACTIVATIONS)}")
+
+
+def glu_activation_stacked(y: Tensor, kind: str, beta1: float, beta2: float, backend: str = "auto") -> Tensor:
+    """act(a, c) for a, c the first and second halves of y's last dim (one GEMM's output over the
+    gate and input weights stacked): the same math as ``glu_activation``; the fused SiTU kernel reads
+    both halves in place and writes their gradients into one tensor like y."""
+    a, c = y.chunk(2, dim=-1)
+    if kind == "situ" and resolve_backend(a, c, backend) == "triton":
+        return situ_glu_stacked_triton(y, beta1, beta2)
+    return glu_activation(a, c, kind, beta1, beta2, backend="torch" if kind == "situ" else backend)
