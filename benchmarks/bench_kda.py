@@ -4,7 +4,7 @@ Run from the repository root with the package installed (``pip install -e .``; o
 ``pip install fla-core==0.6.0`` for the baseline):
 
     python benchmarks/bench_kda.py [--out DIR] [--no-torch] [--no-check] [--shapes NAME,...]
-                                   [--variants 'key=value,...;...'] [--seg-sweep] [--fla-fuzz N]
+                                   [--variants 'key=value,...;...'] [--seg-sweep] [--fla-fuzz N] [--keep-states]
 
 Everything runs with the raw-projection API (in-kernel L2 norm, bounded gate, beta sigmoid), bf16
 inputs, H=16 and d=128 unless the shape says otherwise. Per shape it
@@ -25,6 +25,7 @@ to ``DIR/bench_kda.json`` as well. ``--help`` lists every option.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -78,10 +79,10 @@ def num_seqs(batch, cu):
 
 
 # ----------------------------------------------------------------------------- implementations
-def ours(x, cu, h0=None, final=False, segment_chunks=None):
+def ours(x, cu, h0=None, final=False, segment_chunks=None, keep_states=False):
     return chunk_kda_fused(x["q"], x["k"], x["v"], x["z"], x["beta"], x["A_log"], x["dt_bias"], LOWER_BOUND,
                            initial_state=h0, output_final_state=final, seq_bounds=None if cu is None else cu.host,
-                           segment_chunks=segment_chunks)
+                           segment_chunks=segment_chunks, keep_states=keep_states)
 
 
 def fla_fn():
@@ -126,11 +127,11 @@ def poison_free_memory(nbytes):
     del blocks
 
 
-def check(x, cu, h0, ref_dtype, seg=None):
+def check(x, cu, h0, ref_dtype, seg=None, keep_states=False):
     """Max relative error over o, final state and all gradients (ours vs reference)."""
     params = list(x.values()) + ([h0] if h0 is not None else [])
     poison_free_memory(24 * sum(t.numel() * t.element_size() for t in params))
-    o, s = ours(x, cu, h0, True, seg)
+    o, s = ours(x, cu, h0, True, seg, keep_states)
     do = torch.randn_like(o)
     ds = torch.randn_like(s)
     grads = torch.autograd.grad((o.float() * do.float()).sum() + (s * ds).sum(), params)
@@ -162,7 +163,7 @@ def fla_errors(fla):
     return run
 
 
-def fuzz(device, trials, seed=1, fla_check=None, fla_trials=2):
+def fuzz(device, trials, seed=1, fla_check=None, fla_trials=2, keep_states=False):
     """Random shapes, lengths, documents, states and segmentations against the float64 reference."""
     rng = random.Random(seed)
     worst = 0.0
@@ -179,7 +180,7 @@ def fuzz(device, trials, seed=1, fla_check=None, fla_trials=2):
         h0 = torch.randn(num_seqs(1, cu), heads, dim, dim, device=device, requires_grad=True) if rng.random() < 0.5 else None
         seg = rng.choice([0, 1, 2, 3])
         try:
-            errs = check(x, cu, h0, torch.float64, seg)
+            errs = check(x, cu, h0, torch.float64, seg, keep_states)
         except Exception as exc:  # noqa: BLE001
             print(f"fuzz {t}: FAILED {exc!r}"[:2000], flush=True)
             errs = {"error": float("inf")}
@@ -301,6 +302,8 @@ def main(argv=None):
     parser.add_argument("--fla-fuzz", type=int, default=0, help="fuzz cases also checked with fla (fla re-autotunes for "
                         "every new head count / dim: minutes each on a fresh machine)")
     parser.add_argument("--fuzz-variant", default="", help="TUNING override for a second, shorter fuzz")
+    parser.add_argument("--keep-states", action="store_true", help="ours with keep_states (the forward keeps the "
+                        "per-chunk states; activation_checkpointing.kda_states) in the table, checks and fuzz")
     parser.add_argument("--variant-shapes", default="B8_T4K,B1_T64K")
     parser.add_argument("--check-shapes", default="B8_T4K,B2_T16K,B1_T64K,B1_T256K,B2_T8K_H64,varlen_64K")
     parser.add_argument("--budget-s", type=float, default=480, help="skip the checks, fuzz and sweeps that would "
@@ -332,7 +335,7 @@ def main(argv=None):
     report.update(copy_bandwidth_TBps=bandwidth / 1e12, bf16_matmul_TFLOPs=flops / 1e12)
     print(f"measured ceilings: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
 
-    impls = {"ours": ours, "fla": fla_fn(), "torch": lambda x, cu: reference(x, cu, None, torch.float32)}
+    impls = {"ours": functools.partial(ours, keep_states=args.keep_states), "fla": fla_fn(), "torch": lambda x, cu: reference(x, cu, None, torch.float32)}
     results = []
     for name in args.shapes.split(","):
         if not name or not in_budget(f"timing {name}"):
@@ -355,7 +358,7 @@ def main(argv=None):
             x, cu = make_inputs(batch, seq_len, heads, 128, docs, device, torch.bfloat16, 3)
             h0 = torch.randn(num_seqs(batch, cu), heads, 128, 128, device=device, requires_grad=True)
             t0 = time.time()
-            errs = check(x, cu, h0, torch.float32)
+            errs = check(x, cu, h0, torch.float32, keep_states=args.keep_states)
             report["checks"][name] = errs
             print(f"check {name} vs fp32 torch reference: max rel {max(errs.values()):.2e} "
                   f"({', '.join(f'{k} {v:.1e}' for k, v in errs.items())}) [{time.time() - t0:.0f} s]", flush=True)
@@ -366,7 +369,7 @@ def main(argv=None):
         t0 = time.time()
         fla = fla_fn()
         worst, rows = fuzz(device, args.fuzz, fla_check=fla_errors(fla) if fla is not None else None,
-                           fla_trials=args.fla_fuzz)
+                           fla_trials=args.fla_fuzz, keep_states=args.keep_states)
         if args.fuzz_variant:
             from moe_lc_kernels import kda as kda_mod
 

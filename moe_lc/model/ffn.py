@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_lc.ops.situ_glu import glu_activation, situ_glu, situ_glu_reference, swiglu
+from moe_lc.ops.situ_glu import glu_activation, glu_activation_stacked, situ_glu, situ_glu_reference, swiglu
+from moe_lc.ops.stacked_linear import stackable, stacked_linear
 
 __all__ = ["GatedFFN", "glu_activation", "situ_glu", "situ_glu_reference", "swiglu"]
 
@@ -18,6 +19,9 @@ class GatedFFN(nn.Module):
     """y = W_out act(W_gate x, W_in x). Used for the dense FFN and the shared experts.
 
     ``activation_backend`` is handed to ``glu_activation`` ("auto": the fused SiTU kernel on GPUs).
+    Where both weights are plain (``stackable``), W_gate x and W_in x are one GEMM over the stacked
+    weights (x cast once under autocast, dx one GEMM instead of two and their sum) whose output the
+    activation reads in place; tensor parallelism's shards and float8 linears keep two calls.
     """
 
     def __init__(
@@ -37,6 +41,10 @@ class GatedFFN(nn.Module):
         self.activation_backend = activation_backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a, c = self.w_gate(x), self.w_in(x)
-        h = glu_activation(a, c, self.activation, self.beta1, self.beta2, self.activation_backend)
+        if stackable(self.w_gate) and stackable(self.w_in):
+            y = stacked_linear(x, [self.w_gate.weight, self.w_in.weight])
+            h = glu_activation_stacked(y, self.activation, self.beta1, self.beta2, self.activation_backend)
+        else:
+            a, c = self.w_gate(x), self.w_in(x)
+            h = glu_activation(a, c, self.activation, self.beta1, self.beta2, self.activation_backend)
         return self.w_out(h)

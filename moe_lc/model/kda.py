@@ -21,7 +21,7 @@ from moe_lc.ops.documents import DocumentBounds
 from moe_lc.ops.grouped_experts import autocast_operands
 from moe_lc.ops.kda_projections import chunk_kda_from_projections
 from moe_lc.ops.short_conv import short_conv
-from moe_lc.ops.stacked_linear import stacked_linear
+from moe_lc.ops.stacked_linear import stackable, stacked_linear
 
 
 class KDAttention(nn.Module):
@@ -98,13 +98,13 @@ class KDAttention(nn.Module):
         over the stacked channels is the same math), and one over the three small ones; x is cast to
         autocast's dtype once instead of once per projection (and kept once for backward), and its
         gradient is two GEMMs' sum instead of six. A group fuses only where its weights are plain
-        (``_plain_weight``): float8 linears and tensor parallelism's shards keep their own calls.
+        (``stackable``): float8 linears and tensor parallelism's shards keep their own calls.
         """
         conv = dict(activation="silu", backend=self.conv_backend())  # one fused kernel with SiLU on GPUs
         qkv = ((self.q_proj, self.q_conv), (self.k_proj, self.k_conv), (self.v_proj, self.v_conv))
         small = (self.beta_proj, self.decay_down, self.gate_proj[0])
-        fuse_qkv = self.cfg.fused_projections and all(_plain_weight(m) for pair in qkv for m in pair)
-        fuse_small = self.cfg.fused_projections and all(_plain_weight(m) for m in small)
+        fuse_qkv = self.cfg.fused_projections and all(stackable(m, (nn.Linear, ShortConv)) for pair in qkv for m in pair)
+        fuse_small = self.cfg.fused_projections and all(stackable(m) for m in small)
         if fuse_qkv or fuse_small:
             x, = autocast_operands(x)  # once, not once per projection
         if fuse_qkv:
@@ -130,8 +130,3 @@ class KDAttention(nn.Module):
                                           docs=docs, backend=self.cfg.backend, keep_states=self.keep_states)
         return o
 
-
-def _plain_weight(module: nn.Module) -> bool:
-    """A module whose weight can be stacked with others: a plain tensor (not tensor parallelism's
-    DTensor) of a plain nn.Linear or ShortConv (not a float8 linear, which computes differently)."""
-    return type(module) in (nn.Linear, ShortConv) and type(module.weight.data) is torch.Tensor

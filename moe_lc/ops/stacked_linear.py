@@ -34,6 +34,12 @@ class _StackedLinear(torch.autograd.Function):
         return dx, *dw.split([w.shape[0] for w in weights])
 
 
+def stackable(module: torch.nn.Module, types: tuple[type, ...] = (torch.nn.Linear,)) -> bool:
+    """A module whose weight can be stacked with others: one of ``types`` exactly (not a float8
+    linear, which computes differently) over a plain tensor (not tensor parallelism's DTensor)."""
+    return type(module) in types and type(module.weight.data) is torch.Tensor
+
+
 def stacked_linear(x: Tensor, weights: list[Tensor]) -> Tensor:
     """x [..., d] times each weight [n_i, d] transposed, as one [..., sum n_i] output; under autocast
     the operands are cast to its dtype first, as autocast casts a linear's."""

@@ -243,7 +243,7 @@ def _moe(t: _Tally, cfg: ModelConfig, path: ExecutionPath) -> None:
 
 def _moe_readers(cfg: ModelConfig) -> int:
     e = cfg.moe
-    return 1 + bool(e.latent_dim) + (2 if e.num_shared else 0)
+    return 1 + bool(e.latent_dim) + bool(e.num_shared)  # the shared experts' two GEMMs are one (GatedFFN)
 
 
 def _dense_ffn(t: _Tally, cfg: ModelConfig, path: ExecutionPath) -> None:
@@ -285,7 +285,7 @@ def _layer(cfg: ModelConfig, label: str, kind: str, dense: bool, sources: tuple[
     t = _Tally()
     _sublayer_input(t, cfg, sources[0], mixed, _kda_readers(cfg) if kind == "K" else _mla_readers(cfg), path)
     (_kda if kind == "K" else _mla)(t, cfg, path)
-    _sublayer_input(t, cfg, sources[1], mixed, 2 if dense else _moe_readers(cfg), path)
+    _sublayer_input(t, cfg, sources[1], mixed, 1 if dense else _moe_readers(cfg), path)
     (_dense_ffn if dense else _moe)(t, cfg, path)
     out_bytes = mixed if mode == "none" else A  # the plain residual keeps the embedding's dtype
     t.none += 2 * out_bytes * d  # the stream after each sublayer
