@@ -48,15 +48,16 @@ def _sigmoid_pair(x):
 
 
 @triton.jit
-def _source(offs, hidden, STACKED: tl.constexpr):
-    """Where element ``offs`` of h reads a and c: the same place, or in a row of 2 hidden values."""
+def _source(offs, hidden: tl.constexpr, STACKED: tl.constexpr):
+    """Where element ``offs`` of h reads a and c: the same place, or in a row of 2 hidden values
+    (``hidden`` a compile-time constant, so that the division is a multiply and shift)."""
     if STACKED:
         return (offs // hidden) * (2 * hidden) + offs % hidden
     return offs
 
 
 @triton.jit
-def situ_glu_fwd_kernel(a, c, h, n, hidden, beta1, beta2, BLOCK: tl.constexpr, STACKED: tl.constexpr):
+def situ_glu_fwd_kernel(a, c, h, n, hidden: tl.constexpr, beta1, beta2, BLOCK: tl.constexpr, STACKED: tl.constexpr):
     """h = (b1 tanh(a/b1) sigmoid(a)) (b2 tanh(c/b2)) in h's dtype."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -71,7 +72,8 @@ def situ_glu_fwd_kernel(a, c, h, n, hidden, beta1, beta2, BLOCK: tl.constexpr, S
 
 
 @triton.jit
-def situ_glu_bwd_kernel(a, c, dh, da, dc, n, hidden, beta1, beta2, BLOCK: tl.constexpr, STACKED: tl.constexpr):
+def situ_glu_bwd_kernel(a, c, dh, da, dc, n, hidden: tl.constexpr, beta1, beta2, BLOCK: tl.constexpr,
+                        STACKED: tl.constexpr):
     """da = dh u (sech^2(a/b1) s + g s (1 - s)), dc = dh g s sech^2(c/b2), with g = b1 tanh(a/b1),
     s = sigmoid(a), u = b2 tanh(c/b2) recomputed from a and c (h is not kept)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
