@@ -7,12 +7,18 @@ preset's expert shapes, as training runs it: fp32 master weights, bf16 activatio
 casting the stacked weights to bf16 as autocast does.
 
     python benchmarks/bench_expert_gemms.py [--preset k3-small] [--tokens 8192] [--repeats 20]
+    python benchmarks/bench_expert_gemms.py --stacking --tokens 16384      # bf16 only, no torchao needed
 
 Rows: each of the three GEMMs forward, and forward + backward (dx and dW), then the whole GLU
 (three GEMMs, SiTU, and for float8 the padding) forward + backward; milliseconds of GPU time per
 call, from CUDA events around back-to-back calls. The router's counts are drawn at random around
 the balanced load (Quantile Balancing keeps them near it). Needs a GPU with FP8 tensor cores and
 torchao.
+
+``--stacking`` instead times, in bf16, the gate and input GEMMs as two grouped GEMMs or as one over
+the weights stacked ([E, 2h, l], what the training step runs), with the weights stored [E, N, K]
+(passed transposed) or [E, K, N], and the output GEMM, against a dense GEMM of the stacked shape:
+ms and TFLOP/s forward and forward + backward.
 """
 
 from __future__ import annotations
@@ -64,11 +70,50 @@ def padded_grouped_glu_one(inp: torch.Tensor, w: torch.Tensor, gmm, offsets: tor
     return gmm(padded, w.transpose(-2, -1), padded_ends).index_select(0, new_index)
 
 
+def stacking_table(experts: int, width: int, hidden: int, rows: int, offsets: torch.Tensor, repeats: int) -> None:
+    """The gate and input GEMMs split or stacked, per weight layout (bf16; see the module docstring)."""
+    dev, bf16 = offsets.device, torch.bfloat16
+    x = torch.randn(rows, width, device=dev, dtype=bf16, requires_grad=True)
+    h_in = torch.randn(rows, hidden, device=dev, dtype=bf16, requires_grad=True)
+    grads = {n: torch.randn(rows, n, device=dev, dtype=bf16) for n in (hidden, 2 * hidden, width)}
+
+    def weight(n_out: int, n_in: int, stored_nk: bool) -> torch.Tensor:
+        """[E, n_in, n_out] as the GEMM takes it: a transposed view of [E, n_out, n_in], or stored so."""
+        shape = (experts, n_out, n_in) if stored_nk else (experts, n_in, n_out)
+        w = (torch.randn(*shape, device=dev) * n_in ** -0.5).to(bf16).requires_grad_(True)
+        return w.transpose(-2, -1) if stored_nk else w
+
+    def gemm(inp, w):
+        return torch._grouped_mm(inp, w, offs=offsets)
+
+    print(f"{'weights':<8} {'GEMM':<22} {'fwd ms':>8} {'f+b ms':>8} {'fwd TFLOP/s':>12} {'f+b TFLOP/s':>12}")
+    one = 2 * rows * width * hidden
+    for stored_nk in (True, False):
+        gate, inp_w = weight(hidden, width, stored_nk), weight(hidden, width, stored_nk)
+        stacked, out = weight(2 * hidden, width, stored_nk), weight(width, hidden, stored_nk)
+        cases = {
+            "gate + input, split": (lambda: (gemm(x, gate), gemm(x, inp_w)), [grads[hidden]] * 2, 2 * one),
+            "gate + input, stacked": (lambda: (gemm(x, stacked),), [grads[2 * hidden]], 2 * one),
+            "output": (lambda: (gemm(h_in, out),), [grads[width]], one),
+        }
+        for name, (fn, cotangents, flops) in cases.items():
+            fwd = gpu_ms(fn, repeats)
+            both = gpu_ms(lambda: torch.autograd.backward(list(fn()), cotangents), repeats)
+            print(f"{'[E,N,K]' if stored_nk else '[E,K,N]':<8} {name:<22} {fwd:8.3f} {both:8.3f} "
+                  f"{flops / fwd / 1e9:12.1f} {3 * flops / both / 1e9:12.1f}")
+    a = torch.randn(rows, width, device=dev, dtype=bf16)
+    b = torch.randn(width, 2 * hidden, device=dev, dtype=bf16)
+    dense = gpu_ms(lambda: a @ b, repeats)
+    print(f"dense [{rows}, {width}] x [{width}, {2 * hidden}]: {dense:.3f} ms, "
+          f"{2 * rows * width * 2 * hidden / dense / 1e9:.1f} TFLOP/s")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="k3-small")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--stacking", action="store_true", help="the gate and input GEMMs split or stacked (bf16)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_expert_gemms.py: needs a CUDA GPU", file=sys.stderr)
@@ -78,6 +123,11 @@ def main(argv=None) -> int:
     E, d, h, rows = moe.num_routed, moe.latent_dim, moe.expert_hidden, args.tokens * moe.top_k
     gen = torch.Generator().manual_seed(0)
     offsets = expert_offsets(balanced_counts(rows, E, gen), dev)
+    if args.stacking:
+        print(f"{args.preset} routed experts: {E} experts, {rows} rows ({args.tokens} tokens x top-{moe.top_k}), "
+              f"{torch.cuda.get_device_name(dev)}; ms of GPU time per call")
+        stacking_table(E, d, h, rows, offsets, args.repeats)
+        return 0
     x = torch.randn(rows, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
     w_gate, w_in = (torch.randn(E, h, d, device=dev) * d ** -0.5 for _ in range(2))
     w_out = torch.randn(E, d, h, device=dev) * h ** -0.5

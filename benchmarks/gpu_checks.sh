@@ -61,6 +61,13 @@ step bench_k3_small_8k_one_row python -m moe_lc.cli bench k3-small-8k model.kda.
     --json "$OUT/bench_k3_small_8k_one_row.json"
 # the routed experts' grouped GEMMs, bf16 against float8, per GEMM (docs/performance.md §12.3)
 step expert_gemms python benchmarks/bench_expert_gemms.py
+# the gate and input GEMMs split or stacked into one (bf16), and the step without the kept KDA states
+step expert_gemms_stacking python benchmarks/bench_expert_gemms.py --stacking --tokens 16384
+step bench_k3_small_8k_no_kda_states python -m moe_lc.cli bench k3-small-8k $S.activation_checkpointing.kda_states=false \
+    --steps 3 --warmup 2 --json "$OUT/bench_k3_small_8k_no_kda_states.json"
+# the KDA op with the states kept by the forward: timing against fla, the B=2, T=16K check, the fuzz
+step kda_keep_states python benchmarks/bench_kda.py --no-torch --shapes B2_T16K,B8_T4K --check-shapes B2_T16K \
+    --fuzz 12 --keep-states --out "$OUT/kda_keep_states"
 # the fused LM loss against the checkpointed chunks, and the AttnRes mixture's kernels against the
 # reference (eager and compiled) with three other launch choices (the 4-row default before) (docs/performance.md §12.3)
 step linear_cross_entropy python benchmarks/bench_linear_cross_entropy.py
@@ -75,7 +82,7 @@ step bench_k3_small_8k_fp32_embedding python -m moe_lc.cli bench k3-small-8k mod
 step bench_proxy_256k python -m moe_lc.cli bench proxy-256k curriculum.stages.ctx256k.global_batch_tokens=262144 \
     --steps 2 --warmup 1 --json "$OUT/bench_proxy_256k.json"
 step compare_paths python benchmarks/compare_paths.py --recipe proxy-8k --steps 20 $S.global_batch_tokens=16384 \
-    $S.micro_batch=1 --out "$OUT/compare_paths.json"
+    $S.micro_batch=1 +$S.activation_checkpointing.kda_states=true --out "$OUT/compare_paths.json"
 # FP8 against BF16 over 200 steps of k3-small (one 8K row a step; no resume: its checkpoint is 52 GB),
 # and the resume across precisions on the proxy (docs/training.md, "FP8")
 step precision_curves python benchmarks/compare_precisions.py --recipe proxy-8k --steps 200 --a precision=bf16 \

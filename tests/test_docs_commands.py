@@ -169,6 +169,7 @@ COMMANDS: dict[str, object] = {
         "python benchmarks/host_time_kda.py",
         "moe-lc bench k3-small-8k --steps 3 --warmup 2",
         "python benchmarks/bench_expert_gemms.py",
+        "python benchmarks/bench_expert_gemms.py --stacking --tokens 16384",
         "moe-lc bench k3-small-8k model.kda.fused_projections=false --steps 3 --warmup 2",
         "moe-lc bench k3-small-8k model.kda.fused_projections=false curriculum.stages.ctx8k.micro_batch=1 "
         '"curriculum.stages.ctx8k.activation_checkpointing={mode: none}" --steps 3 --warmup 2',

@@ -38,6 +38,7 @@ PACKING = "moe_lc/data/packing.py"
 ACCOUNTING = "moe_lc/model/accounting.py"
 SITU = "moe_lc/ops/situ_glu.py"
 GROUPED = "moe_lc/ops/grouped_experts.py"
+SITU_KERNEL = "kernels/situ_glu_triton.py"
 ATTENTION = "moe_lc/ops/attention.py"
 FUSED_LOSS = "moe_lc/ops/linear_cross_entropy.py"
 
@@ -197,6 +198,16 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("expert-grad-overwritten", MOE, "        if weight.grad is None:\n            weight.grad = grad.to(",
            "        if True:\n            weight.grad = grad.to(",
            "each micro-batch's experts' weight gradient replaces the sum so far"),
+    Mutant("stacked-expert-grads-swapped", MOE,
+           "        for weight, part in zip(ctx.weights, (grad[:, :hidden], grad[:, hidden:])):",
+           "        for weight, part in zip(ctx.weights, (grad[:, hidden:], grad[:, :hidden])):",
+           "the stacked gate/input copy's gradient halves go to the other weight"),
+    # -- gate and input projections stacked into one GEMM, read in place by the activation
+    Mutant("stacked-glu-halves-swapped", SITU, "    a, c = y.chunk(2, dim=-1)", "    c, a = y.chunk(2, dim=-1)",
+           "the stacked GEMM's halves taken as (input, gate)"),
+    Mutant("stacked-situ-row-stride", SITU_KERNEL, "return (offs // hidden) * (2 * hidden) + offs % hidden",
+           "return (offs // hidden) * hidden + offs % hidden",
+           "the fused SiTU reads each stacked row as if it were hidden wide"),
     # -- initialisation
     Mutant("init-output-std-sqrt-l", INIT, "out_std = std / math.sqrt(2 * cfg.num_layers)", "out_std = std / math.sqrt(cfg.num_layers)",
            "output projections at 0.02/sqrt(L) instead of 0.02/sqrt(2L)"),
