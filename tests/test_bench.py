@@ -79,3 +79,33 @@ def test_bench_on_a_gpu_reports_how_much_of_a_whole_step_waits_for_the_host(tmp_
     assert set(r["allocator_per_step"]) == {"num_alloc_retries", "num_device_alloc", "num_device_free"}
     printed = capsys.readouterr().out
     assert "GPU idle" in printed and "cudaMalloc" in printed
+
+
+def test_the_plans_step_and_peak_stand_beside_the_measured_ones():
+    """On GPUs the bench prints `moe-lc plan`'s step time and peak for the stage it ran, and the
+    measured / planned ratios: each run is a calibration point of the planner (k3-small-8k's plan
+    here: its memory model's figure of tests/test_plan.py)."""
+    from dataclasses import replace
+
+    from moe_lc.train.bench import BenchResult, format_bench, planned_step_and_peak
+    from moe_lc.train.curriculum import plan_curriculum
+    from moe_lc.train.plan import estimate_stage
+    from moe_lc.train.recipes import compose_recipe
+
+    cfg = compose_recipe("k3-small-8k")
+    stage = next(p for p in plan_curriculum(cfg, 1) if p.run)
+    step, peak = planned_step_and_peak(cfg, stage)
+    estimate = estimate_stage(cfg, stage)
+    assert step == estimate.time.step > 0 and peak == pytest.approx(estimate.memory.total / 2**30)
+    assert 120 < peak < 160  # 128.17 GiB measured on one H200 (docs/performance.md §12.3)
+    measured = BenchResult(
+        recipe="k3-small-8k", stage=stage.name, seq_len=8192, global_batch_tokens=131072, micro_batch=2,
+        grad_accum=8, layout="pp=1", world_size=1, device_type="cuda", device="GPU", precision="bf16", warmup_steps=2,
+        steps=1, step_time_s=2 * step, step_times_s=[2 * step], tokens_per_s=1.0, tokens_per_s_per_device=1.0,
+        keys_per_token=1.0, flops_per_token=1.0, tflops_per_device=1.0, peak_tflops_datasheet=989.0,
+        peak_tflops_measured=790.0, mfu=0.3, mfu_measured_peak=0.4, peak_memory_gib=peak / 2,
+        device_memory_gib=139.8, first_loss=1.0, last_loss=1.0)
+    assert "plan " not in format_bench(measured)
+    line = next(x for x in format_bench(replace(measured, planned_step_s=step, planned_peak_gib=peak)).splitlines()
+                if x.strip().startswith("plan"))
+    assert f"step {step:.3g} s" in line and "measured / planned: step 2.00, peak 0.50" in line

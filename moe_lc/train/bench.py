@@ -21,7 +21,9 @@ Numbers (printed by rank 0; `--json PATH` writes them all):
 - breakdown: time per model component in the profiled step (`moe_lc.metrics.breakdown`: kernel
   time on a GPU, and the host's wall time beside it, Python and launches included) and the share
   of the step in which the device ran nothing; on a GPU also the idle share of one
-  whole step traced with the GPU's activity only (what waits for the host).
+  whole step traced with the GPU's activity only (what waits for the host);
+- plan (on GPUs): `moe-lc plan`'s step time and peak memory for the same stage and layout, and the
+  measured / planned ratios, so that every bench run is a calibration point of the planner.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from moe_lc.train.config import TrainConfig
 from moe_lc.train.curriculum import StagePlan, plan_curriculum, total_steps
 from moe_lc.train.data import build_stage_data
 from moe_lc.train.model_setup import build_model_state, float8_policy
+from moe_lc.train.plan import estimate_stage
 from moe_lc.train.runtime import Runtime, init_runtime
 from moe_lc.train.step import TakenStep, run_steps
 
@@ -109,6 +112,9 @@ class BenchResult:
     # CUDA caching allocator per timed step (rank 0): retries (each frees the cache with a device-wide
     # wait), cudaMalloc and cudaFree calls; None on a CPU
     allocator_per_step: Optional[dict[str, float]] = None
+    # what `moe-lc plan` predicts for this stage and layout (on GPUs: its models are of the GPU path)
+    planned_step_s: Optional[float] = None
+    planned_peak_gib: Optional[float] = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -199,7 +205,16 @@ def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled
                 with contextlib.closing(gap_steps):
                     _write_gaps(gap_steps, show, prefix)
     result = _result(cfg, plan, runtime, timed, wall, warmup, matmul_peak, profile_result)
-    return replace(result, precision=result.precision + _compiled_note(state.model), allocator_per_step=allocator)
+    planned = planned_step_and_peak(cfg, plan) if device.type == "cuda" else (None, None)
+    return replace(result, precision=result.precision + _compiled_note(state.model), allocator_per_step=allocator,
+                   planned_step_s=planned[0], planned_peak_gib=planned[1])
+
+
+def planned_step_and_peak(cfg: TrainConfig, plan: StagePlan) -> tuple[float, float]:
+    """`moe-lc plan`'s step time (s) and peak memory (GiB) for this stage under its layout and policy:
+    printed beside the measured ones, each bench run is a calibration point of the planner."""
+    estimate = estimate_stage(cfg, plan)
+    return estimate.time.step, estimate.memory.total / GIB
 
 
 def _progress(on: bool):
@@ -365,6 +380,10 @@ def format_bench(r: BenchResult) -> str:
         f"measured matmul peak ({_rate(r.peak_tflops_measured)})",
         f"  peak memory   {memory}",
     ]
+    if r.planned_step_s is not None and r.planned_peak_gib is not None:
+        lines.append(f"  plan          step {r.planned_step_s:.3g} s, peak {r.planned_peak_gib:.2f} GiB (moe-lc plan's "
+                     f"models); measured / planned: step {r.step_time_s / r.planned_step_s:.2f}, peak "
+                     f"{r.peak_memory_gib / r.planned_peak_gib:.2f}")
     if r.allocator_per_step is not None:
         a = r.allocator_per_step
         lines.append(f"  allocator     {a['num_alloc_retries']:.1f} retries, {a['num_device_alloc']:.1f} cudaMalloc, "
