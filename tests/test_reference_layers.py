@@ -88,9 +88,28 @@ def test_situ_each_factor_saturates_at_its_own_beta():
     assert (ref.SITU_BETA1, ref.SITU_BETA2) == (MoEConfig().situ_beta1, MoEConfig().situ_beta2) == (4.0, 25.0)
 
 
+class _OwnLinear(torch.nn.Linear):
+    """A linear that is not a plain nn.Linear (as tensor parallelism's shards and float8 linears are
+    not): GatedFFN keeps its two GEMMs for it instead of stacking the weights."""
+
+
+def _unstacked(ffn: GatedFFN) -> GatedFFN:
+    for name in ("w_gate", "w_in"):
+        plain = getattr(ffn, name)
+        own = _OwnLinear(plain.in_features, plain.out_features, bias=False, dtype=plain.weight.dtype)
+        own.weight = plain.weight
+        setattr(ffn, name, own)
+    return ffn
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "two-gemms"])
 @pytest.mark.parametrize("activation, betas", [("situ", (4.0, 25.0)), ("situ", (2.0, 3.0)), ("swiglu", (4.0, 25.0))])
-def test_gated_ffn(activation, betas):
+def test_gated_ffn(activation, betas, stacked):
+    """The same formula whether W_gate x and W_in x are one GEMM over the stacked weights (plain
+    linears) or two (other linears)."""
     ffn = randomize(GatedFFN(D, 24, activation, *betas).double(), seed=6)
+    if not stacked:
+        ffn = _unstacked(ffn)
     x = inputs(2, 6, seed=7, scale=3.0)  # large enough that both tanh factors bend
     leaves = {"x": x, **parameters_of(ffn)}
     assert_matches(lambda: ffn(x), lambda: ref.glu(x, ffn.w_gate.weight, ffn.w_in.weight, ffn.w_out.weight,
