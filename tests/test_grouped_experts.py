@@ -244,20 +244,28 @@ def test_under_autocast_fp32_weights_take_the_grouped_gemm_in_the_autocast_dtype
         assert torch.allclose(g.float(), r.float(), rtol=0, atol=8 * 2**-8 * r.float().abs().max().item()), name
 
 
+def _experts_and_bf16_batches(seed: int, **backends: str):
+    """Routed experts of twice the test widths with ``weights()``' values (fp32, as training keeps
+    them), and three micro-batches of bf16 rows: a step under autocast."""
+    from moe_lc.model.moe import RoutedExperts
+
+    width, hidden = 2 * WIDTH, 2 * HIDDEN
+    experts = RoutedExperts(len(COUNTS), width, hidden, "situ", B1, B2, **backends)
+    with torch.no_grad():
+        for w, g in zip((experts.w_gate, experts.w_in, experts.w_out), weights(width=width, hidden=hidden)):
+            w.copy_(g)
+    gen = torch.Generator().manual_seed(seed)
+    return experts, [torch.randn(sum(COUNTS), width, generator=gen).bfloat16() for _ in range(3)]
+
+
 def test_a_step_casts_the_experts_weights_once_and_its_gradients_are_those_of_casts_per_micro_batch():
     """reuse_weight_casts: every micro-batch of a step gets the same bf16 copies of the fp32 weights
     (one cast, not one per micro-batch) and the fp32 gradients accumulated over the micro-batches are
     bitwise those of casting again for each (the same bf16 values meet the same kernels). Outside it,
     without grad or without autocast the weights go to the GEMMs as they are."""
-    from moe_lc.model.moe import RoutedExperts, reuse_weight_casts
+    from moe_lc.model.moe import reuse_weight_casts
 
-    width, hidden = 2 * WIDTH, 2 * HIDDEN
-    experts = RoutedExperts(len(COUNTS), width, hidden, "situ", B1, B2, activation_backend="torch")
-    with torch.no_grad():
-        for w, g in zip((experts.w_gate, experts.w_in, experts.w_out), weights(width=width, hidden=hidden)):
-            w.copy_(g)
-    gen = torch.Generator().manual_seed(3)
-    batches = [torch.randn(sum(COUNTS), width, generator=gen).bfloat16() for _ in range(3)]
+    experts, batches = _experts_and_bf16_batches(seed=3, activation_backend="torch")
     counts = torch.tensor(COUNTS)
 
     def gradients(reuse: bool) -> tuple[list, list]:
@@ -294,16 +302,10 @@ def test_a_step_stacks_gate_and_input_weights_into_one_grouped_gemm(activation_b
     output, dx and the fp32 weight gradients over three micro-batches are the unstacked path's within
     bf16 rounding (the GEMMs sum the same bf16 products, dx in one reduction instead of two summed),
     and nothing else is cast for the step."""
-    from moe_lc.model.moe import RoutedExperts, reuse_weight_casts
+    from moe_lc.model.moe import reuse_weight_casts
 
-    width, hidden = 2 * WIDTH, 2 * HIDDEN
-    experts = RoutedExperts(len(COUNTS), width, hidden, "situ", B1, B2, backend="grouped",
-                            activation_backend=activation_backend)
-    with torch.no_grad():
-        for w, g in zip((experts.w_gate, experts.w_in, experts.w_out), weights(width=width, hidden=hidden)):
-            w.copy_(g)
-    gen = torch.Generator().manual_seed(4)
-    batches = [torch.randn(sum(COUNTS), width, generator=gen).bfloat16() for _ in range(3)]
+    experts, batches = _experts_and_bf16_batches(seed=4, backend="grouped", activation_backend=activation_backend)
+    _, hidden, width = experts.w_gate.shape
     counts = torch.tensor(COUNTS)
 
     def step(reuse: bool):

@@ -107,6 +107,15 @@ class RoutedExperts(nn.Module):
         return dtype
 
 
+def _add_into_grad(weight: torch.Tensor, grad: torch.Tensor) -> None:
+    """``weight.grad += grad`` in the weight's dtype, the first gradient of a step stored contiguous:
+    what the per-step copies' backward does instead of autograd's cast and AccumulateGrad's add."""
+    if weight.grad is None:
+        weight.grad = grad.to(weight.dtype, memory_format=torch.contiguous_format)
+    else:
+        weight.grad.add_(grad)
+
+
 class _CastAccumulatingInFp32(torch.autograd.Function):
     """``weight.to(dtype)`` whose backward adds the incoming gradient straight into ``weight.grad``
     (one mixed-dtype add: 10 bytes a parameter) instead of autograd's cast of it to the weight's
@@ -122,11 +131,7 @@ class _CastAccumulatingInFp32(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        weight = ctx.weight
-        if weight.grad is None:
-            weight.grad = grad.to(weight.dtype, memory_format=torch.contiguous_format)
-        else:
-            weight.grad.add_(grad)
+        _add_into_grad(ctx.weight, grad)
         return None, None
 
 
@@ -147,10 +152,7 @@ class _StackedCastAccumulatingInFp32(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         hidden = ctx.weights[0].shape[1]
         for weight, part in zip(ctx.weights, (grad[:, :hidden], grad[:, hidden:])):
-            if weight.grad is None:
-                weight.grad = part.to(weight.dtype, memory_format=torch.contiguous_format)
-            else:
-                weight.grad.add_(part)
+            _add_into_grad(weight, part)
         return None, None, None
 
 

@@ -82,4 +82,4 @@ def glu_activation_stacked(y: Tensor, kind: str, beta1: float, beta2: float, bac
     a, c = y.chunk(2, dim=-1)
     if kind == "situ" and resolve_backend(a, c, backend) == "triton":
         return situ_glu_stacked_triton(y, beta1, beta2)
-    return glu_activation(a, c, kind, beta1, beta2, backend="torch" if kind == "situ" else backend)
+    return glu_activation(a, c, kind, beta1, beta2, backend)

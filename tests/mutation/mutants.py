@@ -196,10 +196,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("fused-loss-mean-over-all-positions", FUSED_LOSS, "return total / (y != IGNORE_INDEX).sum().clamp_min(1)",
            "return total / y.numel()", "the fused loss divided by every position, not by the label tokens"),
     # -- the experts' weight gradients, accumulated over a step's micro-batches
-    Mutant("expert-grad-added-twice", MOE, "            weight.grad.add_(grad)", "            weight.grad.add_(grad, alpha=2)",
+    Mutant("expert-grad-added-twice", MOE, "        weight.grad.add_(grad)", "        weight.grad.add_(grad, alpha=2)",
            "each micro-batch after the first adds its experts' weight gradient twice"),
-    Mutant("expert-grad-overwritten", MOE, "        if weight.grad is None:\n            weight.grad = grad.to(",
-           "        if True:\n            weight.grad = grad.to(",
+    Mutant("expert-grad-overwritten", MOE, "    if weight.grad is None:\n        weight.grad = grad.to(",
+           "    if True:\n        weight.grad = grad.to(",
            "each micro-batch's experts' weight gradient replaces the sum so far"),
     Mutant("stacked-expert-grads-swapped", MOE,
            "        for weight, part in zip(ctx.weights, (grad[:, :hidden], grad[:, hidden:])):",
