@@ -36,26 +36,34 @@ def _blocks(T: int, C: int, prefix: str) -> tuple[int, int, int]:
     return bt, bc, TUNING[f"{prefix}_warps"]
 
 
+def _pieces(t: Tensor, pieces: int) -> list[Tensor]:
+    """``pieces`` equal channel groups of [B, T, C] as views (no copy)."""
+    width = t.shape[-1] // pieces
+    return [t[..., g * width:(g + 1) * width] for g in range(pieces)]
+
+
 class _ShortConvFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, pos: Optional[Tensor], silu: bool) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, pos: Optional[Tensor], silu: bool, pieces: int):
         import triton
 
         from moe_lc_kernels import short_conv_triton as kt
 
         B, T, C = x.shape
         W = weight.shape[1]
-        y = torch.empty_like(x)
-        bt, bc, warps = _blocks(T, C, "fwd")
-        kt.short_conv_fwd_kernel[(triton.cdiv(T, bt), triton.cdiv(C, bc), B)](
-            x, weight, pos if pos is not None else x, y, T, C, W=W, BT=bt, BC=bc,
-            HAS_DOCS=pos is not None, SILU=silu, num_warps=warps)
+        width = C // pieces
+        ys = [x.new_empty(B, T, width) for _ in range(pieces)]
+        bt, bc, warps = _blocks(T, width, "fwd")
+        for xg, wg, y in zip(_pieces(x, pieces), weight.split(width), ys):  # one launch per group
+            kt.short_conv_fwd_kernel[(triton.cdiv(T, bt), triton.cdiv(width, bc), B)](
+                xg, wg, pos if pos is not None else x, y, T, width, C, width, W=W, BT=bt, BC=bc,
+                HAS_DOCS=pos is not None, SILU=silu, num_warps=warps)
         ctx.save_for_backward(x, weight, pos)
-        ctx.silu = silu
-        return y
+        ctx.silu, ctx.pieces = silu, pieces
+        return ys[0] if pieces == 1 else tuple(ys)
 
     @staticmethod
-    def backward(ctx, dout: Tensor):
+    def backward(ctx, *douts: Tensor):
         import triton
 
         from moe_lc_kernels import short_conv_triton as kt
@@ -63,19 +71,24 @@ class _ShortConvFunction(torch.autograd.Function):
         x, weight, pos = ctx.saved_tensors
         B, T, C = x.shape
         W = weight.shape[1]
+        width = C // ctx.pieces
         has_docs = pos is not None
         pos_arg = pos if has_docs else x
-        dout = dout.contiguous()
+        douts = [torch.zeros(B, T, width, device=x.device, dtype=x.dtype) if d is None else d.contiguous()
+                 for d in douts]
         if ctx.silu:
             # dy in x's dtype, as torch autograd keeps silu's input gradient: one rounding (2^-9
             # relative in bf16) before fp32 accumulation, at half the bytes of an fp32 buffer that
-            # is written once and read W times by the next kernel.
+            # is written once and read W times by the next kernel. Each group's kernel reads its own
+            # output gradient and writes its channels of dy (no concatenation of the groups).
             dy = torch.empty_like(x)
-            bt, bc, warps = _blocks(T, C, "fwd")
-            kt.short_conv_bwd_silu_kernel[(triton.cdiv(T, bt), triton.cdiv(C, bc), B)](
-                x, weight, pos_arg, dout, dy, T, C, W=W, BT=bt, BC=bc, HAS_DOCS=has_docs, num_warps=warps)
+            bt, bc, warps = _blocks(T, width, "fwd")
+            for xg, wg, dout, dyg in zip(_pieces(x, ctx.pieces), weight.split(width), douts, _pieces(dy, ctx.pieces)):
+                kt.short_conv_bwd_silu_kernel[(triton.cdiv(T, bt), triton.cdiv(width, bc), B)](
+                    xg, wg, pos_arg, dout, dyg, T, width, C, width, W=W, BT=bt, BC=bc, HAS_DOCS=has_docs,
+                    num_warps=warps)
         else:
-            dy = dout.to(x.dtype)
+            dy = torch.cat(douts, dim=-1).to(x.dtype)
         bt, bc, warps = _blocks(T, C, "bwd")
         t_blocks = triton.cdiv(T, bt)
         dx = torch.empty_like(x)
@@ -83,7 +96,16 @@ class _ShortConvFunction(torch.autograd.Function):
         kt.short_conv_bwd_kernel[(t_blocks, triton.cdiv(C, bc), B)](
             x, weight, pos_arg, dy, dx, dw_part, T, C, W=W, BT=bt, BC=bc, HAS_DOCS=has_docs, num_warps=warps)
         dweight = dw_part.sum(0).t().contiguous().to(weight.dtype)
-        return dx, dweight, None, None
+        return dx, dweight, None, None, None
+
+
+def _checked(x: Tensor, weight: Tensor, pos: Optional[Tensor]) -> None:
+    if x.dtype not in DTYPES or weight.dtype not in DTYPES:
+        raise ValueError(f"short_conv_triton: x and weight must be fp32/bf16/fp16, got {x.dtype}, {weight.dtype}")
+    if weight.shape[1] > MAX_WIDTH:
+        raise ValueError(f"short_conv_triton: at most {MAX_WIDTH} taps, got W = {weight.shape[1]}")
+    if pos is not None and (pos.dtype != torch.int32 or pos.shape != (x.shape[1],)):
+        raise ValueError(f"short_conv_triton: pos must be int32 [T = {x.shape[1]}], got {pos.dtype} {tuple(pos.shape)}")
 
 
 def short_conv_triton(x: Tensor, weight: Tensor, pos: Optional[Tensor] = None, silu: bool = True) -> Tensor:
@@ -93,13 +115,23 @@ def short_conv_triton(x: Tensor, weight: Tensor, pos: Optional[Tensor] = None, s
     None for one sequence per row. moe-lc's ``short_conv`` op checks the inputs and turns document
     boundaries into ``pos``.
     """
-    if x.dtype not in DTYPES or weight.dtype not in DTYPES:
-        raise ValueError(f"short_conv_triton: x and weight must be fp32/bf16/fp16, got {x.dtype}, {weight.dtype}")
-    if weight.shape[1] > MAX_WIDTH:
-        raise ValueError(f"short_conv_triton: at most {MAX_WIDTH} taps, got W = {weight.shape[1]}")
-    if pos is not None and (pos.dtype != torch.int32 or pos.shape != (x.shape[1],)):
-        raise ValueError(f"short_conv_triton: pos must be int32 [T = {x.shape[1]}], got {pos.dtype} {tuple(pos.shape)}")
+    _checked(x, weight, pos)
     if x.numel() == 0:  # nothing to launch: an empty output that autograd connects to x and weight
         y = x * weight[:, -1].to(x.dtype)
         return torch.nn.functional.silu(y) if silu else y
-    return _ShortConvFunction.apply(x.contiguous(), weight.contiguous(), pos, silu)
+    return _ShortConvFunction.apply(x.contiguous(), weight.contiguous(), pos, silu, 1)
+
+
+def short_conv_triton_pieces(x: Tensor, weight: Tensor, pieces: int, pos: Optional[Tensor] = None,
+                             silu: bool = True) -> tuple[Tensor, ...]:
+    """``short_conv_triton(x, weight, pos, silu).chunk(pieces, -1)``, each piece written as its own
+    contiguous [B, T, C / pieces] tensor: what the KDA layer's stacked q, k, v convolution hands to
+    kernels that take contiguous inputs, with no copy of the strided chunks forward and no
+    concatenation of their gradients backward. C must divide into ``pieces``."""
+    _checked(x, weight, pos)
+    if pieces < 1 or x.shape[-1] % pieces:
+        raise ValueError(f"short_conv_triton_pieces: C = {x.shape[-1]} channels do not split into {pieces} pieces")
+    if x.numel() == 0:
+        return short_conv_triton(x, weight, pos, silu).chunk(pieces, dim=-1)
+    out = _ShortConvFunction.apply(x.contiguous(), weight.contiguous(), pos, silu, pieces)
+    return (out,) if pieces == 1 else out

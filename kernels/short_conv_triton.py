@@ -1,8 +1,10 @@
 """Triton kernels of the short causal depthwise convolution (+ SiLU); launched from short_conv.py.
 
-Layout: x, y, dout, dy, dx are contiguous [B, T, C] (C innermost, so every tile row is one
-coalesced segment of BC channels); weight is contiguous [C, W]; ``pos`` is the int32 [T] position
-of each token in its document (read only when HAS_DOCS). Every program owns a [BT, BC] tile of one
+Layout: x, y, dout, dy, dx are [B, T, C] with C innermost and contiguous (every tile row is one
+coalesced segment of BC channels). dy and dx are contiguous; x's rows are XS elements apart, and
+y's (forward) or dout's (SiLU backward) YS apart: a launch over a group of C channels of a wider
+x writes (or reads) that group's own contiguous tensor. weight is contiguous [C, W]; ``pos`` is
+the int32 [T] position of each token in its document (read only when HAS_DOCS). Every program owns a [BT, BC] tile of one
 batch row: grid (cdiv(T, BT), cdiv(C, BC), B). The W shifted tiles a program loads overlap in all
 but W - 1 rows, so x is read from DRAM about once; the rest hits L1/L2.
 
@@ -18,13 +20,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _conv_tile(x, w, row0, t, c, p, t_in, c_in, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """fp32 [BT, BC] pre-activation y for rows t (of the batch row starting at row0) and channels c."""
+def _conv_tile(x, w, row0, t, c, p, t_in, c_in, XS, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """fp32 [BT, BC] pre-activation y for rows t (of the batch row starting at row0, rows XS apart)
+    and channels c."""
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(W):
         wj = tl.load(w + c * W + (W - 1 - j), mask=c_in, other=0.0).to(tl.float32)
         ok = t_in & (t >= j) & (p >= j)
-        rows = (row0 + t - j).to(tl.int64) * C
+        rows = (row0 + t - j).to(tl.int64) * XS
         xj = tl.load(x + rows[:, None] + c[None, :], mask=ok[:, None] & c_in[None, :], other=0.0)
         acc += xj.to(tl.float32) * wj[None, :]
     return acc
@@ -40,7 +43,7 @@ def _positions(pos, t, t_in, HAS_DOCS: tl.constexpr):
 
 
 @triton.jit
-def short_conv_fwd_kernel(x, w, pos, y, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+def short_conv_fwd_kernel(x, w, pos, y, T, C, XS, YS, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                           HAS_DOCS: tl.constexpr, SILU: tl.constexpr):
     """y = act(conv(x)) in y's dtype; the pre-activation is not stored (the backward recomputes it)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -49,29 +52,30 @@ def short_conv_fwd_kernel(x, w, pos, y, T, C, W: tl.constexpr, BT: tl.constexpr,
     t_in = t < T
     c_in = c < C
     p = _positions(pos, t, t_in, HAS_DOCS)
-    acc = _conv_tile(x, w, row0, t, c, p, t_in, c_in, C, W, BT, BC)
+    acc = _conv_tile(x, w, row0, t, c, p, t_in, c_in, XS, W, BT, BC)
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    offs = (row0 + t).to(tl.int64)[:, None] * C + c[None, :]
+    offs = (row0 + t).to(tl.int64)[:, None] * YS + c[None, :]
     tl.store(y + offs, acc.to(y.dtype.element_ty), mask=t_in[:, None] & c_in[None, :])
 
 
 @triton.jit
-def short_conv_bwd_silu_kernel(x, w, pos, dout, dy, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                               HAS_DOCS: tl.constexpr):
-    """dy = dout * silu'(y) with y recomputed: silu'(y) = s (1 + y (1 - s)), s = sigmoid(y)."""
+def short_conv_bwd_silu_kernel(x, w, pos, dout, dy, T, C, XS, YS, W: tl.constexpr, BT: tl.constexpr,
+                               BC: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """dy = dout * silu'(y) with y recomputed: silu'(y) = s (1 + y (1 - s)), s = sigmoid(y); dy's rows
+    XS apart (x's), dout's YS apart."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     row0 = tl.program_id(2) * T
     t_in = t < T
     c_in = c < C
     p = _positions(pos, t, t_in, HAS_DOCS)
-    acc = _conv_tile(x, w, row0, t, c, p, t_in, c_in, C, W, BT, BC)
-    offs = (row0 + t).to(tl.int64)[:, None] * C + c[None, :]
+    acc = _conv_tile(x, w, row0, t, c, p, t_in, c_in, XS, W, BT, BC)
+    rows = (row0 + t).to(tl.int64)[:, None]
     mask = t_in[:, None] & c_in[None, :]
-    g = tl.load(dout + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(dout + rows * YS + c[None, :], mask=mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(acc)
-    tl.store(dy + offs, (g * s * (1.0 + acc * (1.0 - s))).to(dy.dtype.element_ty), mask=mask)
+    tl.store(dy + rows * XS + c[None, :], (g * s * (1.0 + acc * (1.0 - s))).to(dy.dtype.element_ty), mask=mask)
 
 
 @triton.jit

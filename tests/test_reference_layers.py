@@ -307,8 +307,9 @@ def test_fused_projections_are_two_gemms_and_one_convolution_for_plain_weights(m
     from moe_lc.model.short_conv import ShortConv
 
     convs, linears = [], []
-    real_conv, real_linear = kda_module.short_conv, torch.nn.functional.linear
-    monkeypatch.setattr(kda_module, "short_conv", lambda *a, **k: convs.append(a[0].shape[-1]) or real_conv(*a, **k))
+    real_conv, real_linear = kda_module.short_conv_pieces, torch.nn.functional.linear
+    monkeypatch.setattr(kda_module, "short_conv_pieces",
+                        lambda *a, **k: convs.append(a[0].shape[-1]) or real_conv(*a, **k))
     monkeypatch.setattr(torch.nn.functional, "linear",
                         lambda x, w, *a: linears.append(w.shape[0]) or real_linear(x, w, *a))
     per_module = []

@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 import moe_lc_kernels.short_conv as kernel_module  # noqa: E402
 from moe_lc.model.short_conv import ShortConv, causal_depthwise_conv  # noqa: E402
 from moe_lc.ops.documents import DocumentBounds  # noqa: E402
-from moe_lc.ops.short_conv import resolve_backend, short_conv  # noqa: E402
+from moe_lc.ops.short_conv import resolve_backend, short_conv, short_conv_pieces  # noqa: E402
 from moe_lc_kernels import triton_available  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -135,6 +135,30 @@ def test_bf16_stays_bf16_and_close(small_tiles):
     assert [t.dtype for t in got] == [torch.bfloat16] * 3
     # reference on the same bf16-rounded inputs, in float64: only the kernels' roundings remain
     assert_close(got, run(lambda a, b: short_conv(a.double(), b.double(), backend="torch"), xb, wb, dout), 1e-2)
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_pieces_are_the_chunks_of_one_convolution(small_tiles, activation):
+    """short_conv_pieces on the kernels: three groups of 48 channels (each spans two 32-channel
+    tiles, the second one partial), each its own contiguous tensor, equal to the float64
+    convolution's chunks forward and backward (dx, dweight) with packed documents; a piece whose
+    output is unused (no gradient) counts as zero."""
+    lens = DOC_LENS
+    x, w, dout = inputs(1, sum(lens), channels=144, seed=6)
+    cu = cu_of(lens)
+    for used in (3, 2):
+        def pieces(a, b, backend):
+            out = short_conv_pieces(a, b, 3, DocumentBounds.of(cu) if backend == "triton" else cu,
+                                    activation=activation, backend=backend)
+            assert len(out) == 3 and all(p.shape == (1, sum(lens), 48) for p in out)
+            if backend == "triton":
+                assert all(p.is_contiguous() for p in out)
+            return torch.cat(out[:used], dim=-1)
+
+        d = dout[..., :48 * used]
+        got = run(lambda a, b: pieces(a, b, "triton"), x, w, d)
+        ref = run(lambda a, b: pieces(a.double(), b.double(), "torch"), x, w, d)
+        assert_close(got, ref)
 
 
 def test_short_conv_module_passes_activation_and_backend(small_tiles):

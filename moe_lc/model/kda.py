@@ -20,7 +20,7 @@ from moe_lc.model.short_conv import ShortConv
 from moe_lc.ops.documents import DocumentBounds
 from moe_lc.ops.grouped_experts import autocast_operands
 from moe_lc.ops.kda_projections import chunk_kda_from_projections
-from moe_lc.ops.short_conv import short_conv
+from moe_lc.ops.short_conv import short_conv_pieces
 from moe_lc.ops.stacked_linear import stackable, stacked_linear
 
 
@@ -109,7 +109,7 @@ class KDAttention(nn.Module):
             x, = autocast_operands(x)  # once, not once per projection
         if fuse_qkv:
             stacked = stacked_linear(x, [p.weight for p, _ in qkv])
-            q, k, v = short_conv(stacked, torch.cat([c.weight for _, c in qkv]), docs, **conv).chunk(3, dim=-1)
+            q, k, v = short_conv_pieces(stacked, torch.cat([c.weight for _, c in qkv]), 3, docs, **conv)
         else:
             q, k, v = (c(p(x), docs, **conv) for p, c in qkv)
         if fuse_small:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from moe_lc.ops.documents import DocumentBounds
 
-__all__ = ["position_in_document", "causal_depthwise_conv", "short_conv", "convolve_at_positions",
+__all__ = ["position_in_document", "causal_depthwise_conv", "short_conv", "short_conv_pieces", "convolve_at_positions",
            "resolve_backend", "triton_unsupported_reason"]
 
 ACTIVATIONS = (None, "silu")
@@ -140,6 +140,36 @@ def short_conv(
                          "the last boundary must be the row length")
     pos = None if cu_seqlens is None else position_in_document(x.shape[1], cu_seqlens, x.device)
     return convolve_at_positions(x, weight, pos, activation, backend)
+
+
+def short_conv_pieces(
+    x: Tensor,
+    weight: Tensor,
+    pieces: int,
+    docs: DocumentBounds | Tensor | None = None,
+    activation: Optional[str] = "silu",
+    backend: str = "auto",
+) -> tuple[Tensor, ...]:
+    """``short_conv(x, weight, docs, activation, backend).chunk(pieces, -1)``: one convolution over
+    channels stacked from ``pieces`` equal groups (the KDA layer's q, k, v), handed back per group.
+
+    On the Triton kernels each group is written as its own contiguous tensor and its gradient read
+    from there, so the kernels downstream (which take contiguous inputs) copy nothing and no
+    concatenation of the groups' gradients runs backward; elsewhere the groups are views of one
+    output, as ``chunk`` makes them.
+    """
+    cu_seqlens = docs.cu_seqlens if isinstance(docs, DocumentBounds) else docs
+    sharded = isinstance(docs, DocumentBounds) and docs.shard is not None
+    if sharded or x.dim() != 3 or x.shape[-1] % pieces or resolve_backend(x, weight, backend) != "triton":
+        return short_conv(x, weight, docs, activation=activation, backend=backend).chunk(pieces, dim=-1)
+    _check(x, weight, cu_seqlens, activation, backend)
+    if isinstance(docs, DocumentBounds) and docs.total != x.shape[1]:
+        raise ValueError(f"short_conv: the documents (docs) end at {docs.total} but x has T = {x.shape[1]} tokens; "
+                         "the last boundary must be the row length")
+    from moe_lc_kernels.short_conv import short_conv_triton_pieces
+
+    pos = None if cu_seqlens is None else position_in_document(x.shape[1], cu_seqlens, x.device).to(torch.int32)
+    return short_conv_triton_pieces(x, weight, pieces, pos, silu=activation == "silu")
 
 
 def convolve_at_positions(
