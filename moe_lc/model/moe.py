@@ -25,6 +25,7 @@ from moe_lc.model.balancing import ExpertBalancer
 from moe_lc.model.ffn import GatedFFN
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.precision import upcast
+from moe_lc.ops.accumulate import accumulate_
 from moe_lc.ops.grouped_experts import grouped_glu, grouped_glu_stacked, resolve_backend
 
 
@@ -113,7 +114,7 @@ def _add_into_grad(weight: torch.Tensor, grad: torch.Tensor) -> None:
     if weight.grad is None:
         weight.grad = grad.to(weight.dtype, memory_format=torch.contiguous_format)
     else:
-        weight.grad.add_(grad)
+        accumulate_(weight.grad, grad)
 
 
 class _CastAccumulatingInFp32(torch.autograd.Function):

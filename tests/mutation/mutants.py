@@ -39,6 +39,8 @@ ACCOUNTING = "moe_lc/model/accounting.py"
 SITU = "moe_lc/ops/situ_glu.py"
 GROUPED = "moe_lc/ops/grouped_experts.py"
 SITU_KERNEL = "kernels/situ_glu_triton.py"
+CONV_KERNEL = "kernels/short_conv_triton.py"
+ACCUMULATE_KERNEL = "kernels/accumulate_triton.py"
 ATTENTION = "moe_lc/ops/attention.py"
 FUSED_LOSS = "moe_lc/ops/linear_cross_entropy.py"
 
@@ -196,7 +198,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("fused-loss-mean-over-all-positions", FUSED_LOSS, "return total / (y != IGNORE_INDEX).sum().clamp_min(1)",
            "return total / y.numel()", "the fused loss divided by every position, not by the label tokens"),
     # -- the experts' weight gradients, accumulated over a step's micro-batches
-    Mutant("expert-grad-added-twice", MOE, "        weight.grad.add_(grad)", "        weight.grad.add_(grad, alpha=2)",
+    Mutant("expert-grad-added-twice", MOE, "        accumulate_(weight.grad, grad)", "        accumulate_(weight.grad, 2 * grad)",
            "each micro-batch after the first adds its experts' weight gradient twice"),
     Mutant("expert-grad-overwritten", MOE, "    if weight.grad is None:\n        weight.grad = grad.to(",
            "    if True:\n        weight.grad = grad.to(",
@@ -205,6 +207,17 @@ MUTANTS: tuple[Mutant, ...] = (
            "        for weight, part in zip(ctx.weights, (grad[:, :hidden], grad[:, hidden:])):",
            "        for weight, part in zip(ctx.weights, (grad[:, hidden:], grad[:, :hidden])):",
            "the stacked gate/input copy's gradient halves go to the other weight"),
+    Mutant("accumulate-kernel-overwrites", ACCUMULATE_KERNEL, "tl.store(d, tl.load(d, mask=mask, other=0.0) + s, mask=mask)",
+           "tl.store(d, s, mask=mask)", "the accumulation kernel replaces the gradient sum with the new gradient"),
+    # -- the MoE layer's dispatch and combine, gathered through the inverse permutation
+    Mutant("dispatch-backward-one-slot", MOE, "        return by_slot.sum(1).to(grad.dtype), None, None",
+           "        return by_slot[:, 0].to(grad.dtype), None, None",
+           "each token's input gradient takes only its first slot's expert"),
+    Mutant("rows-in-order-backward-not-permuted", MOE, "        return grad[inverse], None, None",
+           "        return grad, None, None", "the combine's gradient goes to the rows in (token, slot) order"),
+    # -- q, k, v written by the stacked short convolution as three tensors
+    Mutant("conv-pieces-gradient-stride", CONV_KERNEL, "g = tl.load(dout + rows * YS + c[None, :]",
+           "g = tl.load(dout + rows * XS + c[None, :]", "each piece's output gradient read with the stacked row stride"),
     # -- gate and input projections stacked into one GEMM, read in place by the activation
     Mutant("stacked-glu-halves-swapped", SITU, "    a, c = y.chunk(2, dim=-1)", "    c, a = y.chunk(2, dim=-1)",
            "the stacked GEMM's halves taken as (input, gate)"),
