@@ -221,8 +221,8 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- gate and input projections stacked into one GEMM, read in place by the activation
     Mutant("stacked-glu-halves-swapped", SITU, "    a, c = y.chunk(2, dim=-1)", "    c, a = y.chunk(2, dim=-1)",
            "the stacked GEMM's halves taken as (input, gate)"),
-    Mutant("stacked-situ-row-stride", SITU_KERNEL, "return (row0 + j // hidden) * (2 * hidden) + j % hidden",
-           "return (row0 + j // hidden) * hidden + j % hidden",
+    Mutant("stacked-situ-row-stride", SITU_KERNEL, "return (offs // hidden) * (2 * hidden) + offs % hidden",
+           "return (offs // hidden) * hidden + offs % hidden",
            "the fused SiTU reads each stacked row as if it were hidden wide"),
     # -- initialisation
     Mutant("init-output-std-sqrt-l", INIT, "out_std = std / math.sqrt(2 * cfg.num_layers)", "out_std = std / math.sqrt(cfg.num_layers)",
