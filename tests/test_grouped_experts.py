@@ -23,8 +23,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from moe_lc.config import MoEConfig  # noqa: E402
-from moe_lc.model.moe import (LatentMoE, combine_by_token, inverse_permutation, rows_by_expert,  # noqa: E402
-                              sort_by_expert)
+from moe_lc.model.moe import LatentMoE, combine_by_token, sort_by_expert  # noqa: E402
 from moe_lc.ops.grouped_experts import autocast_operands, grouped_glu, resolve_backend  # noqa: E402
 from moe_lc_kernels import triton_available  # noqa: E402
 
@@ -157,39 +156,6 @@ def test_sort_and_combine_against_a_direct_sum():
     direct = sum(p[:, j, None] * table[topk_idx[:, j], torch.arange(tokens)] for j in range(k))
     eps64 = torch.finfo(F64).eps
     assert u.dtype == F64 and torch.allclose(u, direct, rtol=0, atol=2 * k * eps64 * direct.abs().max().item())
-
-
-def test_dispatch_and_combine_gradients_are_the_indexing_gradients():
-    """rows_by_expert and combine_by_token, whose backwards gather through the inverse permutation,
-    give the gradients that autograd computes for plain indexing (float64, bitwise: each gradient
-    row is the same sum of the same terms in slot order), and pass gradcheck."""
-    gen = torch.Generator().manual_seed(5)
-    tokens, k, experts, width = 9, 3, 5, 4
-    topk_idx = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
-    order, token_of_row, _ = sort_by_expert(topk_idx, experts)
-    inverse = inverse_permutation(order)
-    assert torch.equal(order[inverse], torch.arange(tokens * k)) and torch.equal(inverse[order], torch.arange(tokens * k))
-    z = torch.randn(tokens, width, generator=gen, dtype=F64, requires_grad=True)
-    p = torch.rand(tokens, k, generator=gen, dtype=F64, requires_grad=True)
-    table = torch.randn(tokens * k, width, generator=gen, dtype=F64)  # stands in for the experts
-    grad_u = torch.randn(tokens, width, generator=gen, dtype=F64)
-
-    def through(rows_fn, combine_fn):
-        rows = rows_fn(z)
-        u = combine_fn(rows * table, p)
-        return torch.autograd.grad(u, (z, p), grad_u)
-
-    def plain_combine(out_sorted, weights):
-        by_slot = torch.empty_like(out_sorted).index_copy(0, order, out_sorted)
-        return (by_slot.view(tokens, k, -1) * weights.unsqueeze(-1)).sum(1)
-
-    got = through(lambda x: rows_by_expert(x, token_of_row, inverse), lambda o, w: combine_by_token(o, order, w, inverse))
-    want = through(lambda x: x[token_of_row], plain_combine)
-    for g, w in zip(got, want):
-        assert torch.allclose(g, w, rtol=0, atol=4 * k * torch.finfo(F64).eps * w.abs().max().item())
-    assert torch.autograd.gradcheck(lambda x: rows_by_expert(x, token_of_row, inverse), (z,))
-    out = torch.randn(tokens * k, width, generator=gen, dtype=F64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda o, w: combine_by_token(o, order, w), (out, p))
 
 
 def moe_layer(seed: int = 0) -> LatentMoE:

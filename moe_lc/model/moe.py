@@ -192,64 +192,15 @@ def sort_by_expert(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     return order, token_of_row, counts
 
 
-def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
-    """inverse[order[i]] = i: the row, in expert order, of each flattened (token, slot) assignment."""
-    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-
-
-class _RowsInOrder(torch.autograd.Function):
-    """``x[index]`` for a permutation ``index`` whose inverse is ``inverse``. The backward gathers the
-    gradient by ``inverse`` where autograd's backward of indexing would add it into a zero-filled
-    tensor (atomics on GPUs). A gather each way is what a compiler fuses into the kernel beside it."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        return x[index]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (inverse,) = ctx.saved_tensors
-        return grad[inverse], None, None
-
-
-class _RowsOfTokens(torch.autograd.Function):
-    """Token t's row once for each of its k slots, in expert order: ``x[token_of_row]``. The backward
-    sums each token's k row gradients in slot order (a gather by ``inverse`` and a sum over the
-    slots: deterministic, where the backward of indexing accumulates them with atomics in a varying
-    order on GPUs), in at least fp32 before one rounding to x's dtype."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, token_of_row: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        ctx.tokens = x.shape[0]
-        return x[token_of_row]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (inverse,) = ctx.saved_tensors
-        by_slot = upcast(grad[inverse]).view(ctx.tokens, -1, grad.shape[-1])
-        return by_slot.sum(1).to(grad.dtype), None, None
-
-
-def rows_by_expert(x: torch.Tensor, token_of_row: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """The experts' input rows ``x[token_of_row]`` ([T * k, width], expert order), differentiable in x."""
-    return _RowsOfTokens.apply(x, token_of_row, inverse)
-
-
-def combine_by_token(out_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
-                     inverse: Optional[torch.Tensor] = None) -> torch.Tensor:
+def combine_by_token(out_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """u_t = sum_j p_tj out[row of (t, j)]: [T, width] in at least fp32 from rows in expert order.
 
-    The rows go back to (token, slot) order by a gather through the inverse permutation (its
-    backward a gather by ``order``; ``inverse`` from ``inverse_permutation``, computed here when not
-    given), then each token's k rows are summed in fp32 in slot order: deterministic on GPUs, where
-    a scatter-add's atomics sum them in a varying order.
+    The rows go back to (token, slot) order by a copy to the inverse permutation (each row lands
+    once; its backward is a gather by ``order``), then each token's k rows are summed in fp32 in
+    slot order: deterministic on GPUs, where a scatter-add's atomics sum them in a varying order.
     """
     tokens, k = weights.shape
-    if inverse is None:
-        inverse = inverse_permutation(order)
-    by_slot = _RowsInOrder.apply(out_sorted, inverse, order)
+    by_slot = out_sorted.new_empty(out_sorted.shape).index_copy(0, order, out_sorted)
     return (upcast(by_slot).view(tokens, k, -1) * weights.unsqueeze(-1)).sum(1)
 
 
@@ -296,9 +247,8 @@ class LatentMoE(nn.Module):
     def routed(self, z: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """u = sum_{j in T} p_j E_j(z) on one process: sort by expert, the experts, combine (no host read)."""
         order, token_of_row, counts = sort_by_expert(topk_idx, self.cfg.num_routed)
-        inverse = inverse_permutation(order)
-        out_sorted = self.experts(rows_by_expert(z, token_of_row, inverse), counts)
-        return combine_by_token(out_sorted, order, weights, inverse).to(z.dtype)
+        out_sorted = self.experts(z[token_of_row], counts)
+        return combine_by_token(out_sorted, order, weights).to(z.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -209,12 +209,6 @@ MUTANTS: tuple[Mutant, ...] = (
            "the stacked gate/input copy's gradient halves go to the other weight"),
     Mutant("accumulate-kernel-overwrites", ACCUMULATE_KERNEL, "tl.store(d, tl.load(d, mask=mask, other=0.0) + s, mask=mask)",
            "tl.store(d, s, mask=mask)", "the accumulation kernel replaces the gradient sum with the new gradient"),
-    # -- the MoE layer's dispatch and combine, gathered through the inverse permutation
-    Mutant("dispatch-backward-one-slot", MOE, "        return by_slot.sum(1).to(grad.dtype), None, None",
-           "        return by_slot[:, 0].to(grad.dtype), None, None",
-           "each token's input gradient takes only its first slot's expert"),
-    Mutant("rows-in-order-backward-not-permuted", MOE, "        return grad[inverse], None, None",
-           "        return grad, None, None", "the combine's gradient goes to the rows in (token, slot) order"),
     # -- q, k, v written by the stacked short convolution as three tensors
     Mutant("conv-pieces-gradient-stride", CONV_KERNEL, "g = tl.load(dout + rows * YS + c[None, :]",
            "g = tl.load(dout + rows * XS + c[None, :]", "each piece's output gradient read with the stacked row stride"),
