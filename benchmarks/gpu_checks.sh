@@ -65,6 +65,8 @@ step expert_gemms python benchmarks/bench_expert_gemms.py
 step expert_gemms_stacking python benchmarks/bench_expert_gemms.py --stacking --tokens 16384
 step bench_k3_small_8k_no_kda_states python -m moe_lc.cli bench k3-small-8k $S.activation_checkpointing.kda_states=false \
     --steps 3 --warmup 2 --json "$OUT/bench_k3_small_8k_no_kda_states.json"
+# the experts' per-micro-batch weight-gradient sums: torch's two-dtype add against accumulate_ (§12.3)
+step grad_accumulation python benchmarks/bench_grad_accumulation.py
 # the KDA op with the states kept by the forward: timing against fla, the B=2, T=16K check, the fuzz
 step kda_keep_states python benchmarks/bench_kda.py --no-torch --shapes B2_T16K,B8_T4K --check-shapes B2_T16K \
     --fuzz 12 --keep-states --out "$OUT/kda_keep_states"

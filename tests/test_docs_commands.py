@@ -121,6 +121,7 @@ COMMANDS: dict[str, object] = {
         "python benchmarks/bench_layer.py --profile 15",
         "python benchmarks/bench_attention.py --out results/",
         "python benchmarks/bench_attention.py --quick",
+        "python benchmarks/bench_grad_accumulation.py",
         "python benchmarks/bench_attention.py --heads 16 --shapes T64K_docs24,T64K_docs256,T8K_single --variants "
         "loop,varlen --fresh 4",
         "TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 python benchmarks/bench_attention.py ...",
