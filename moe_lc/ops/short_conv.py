@@ -133,13 +133,20 @@ def short_conv(
         from moe_lc.parallel.context_conv import context_short_conv
 
         return context_short_conv(x, weight, docs, activation=activation, backend=backend)
+    return convolve_at_positions(x, weight, _checked_positions(x, weight, docs, activation, backend), activation,
+                                 backend)
+
+
+def _checked_positions(x: Tensor, weight: Tensor, docs: DocumentBounds | Tensor | None, activation: Optional[str],
+                       backend: str) -> Optional[Tensor]:
+    """The inputs checked (one local row: no context-parallel shard), and each token's position in its
+    document from ``docs`` (None without documents)."""
     cu_seqlens = docs.cu_seqlens if isinstance(docs, DocumentBounds) else docs
     _check(x, weight, cu_seqlens, activation, backend)
     if isinstance(docs, DocumentBounds) and docs.total != x.shape[1]:
         raise ValueError(f"short_conv: the documents (docs) end at {docs.total} but x has T = {x.shape[1]} tokens; "
                          "the last boundary must be the row length")
-    pos = None if cu_seqlens is None else position_in_document(x.shape[1], cu_seqlens, x.device)
-    return convolve_at_positions(x, weight, pos, activation, backend)
+    return None if cu_seqlens is None else position_in_document(x.shape[1], cu_seqlens, x.device)
 
 
 def short_conv_pieces(
@@ -158,18 +165,15 @@ def short_conv_pieces(
     concatenation of the groups' gradients runs backward; elsewhere the groups are views of one
     output, as ``chunk`` makes them.
     """
-    cu_seqlens = docs.cu_seqlens if isinstance(docs, DocumentBounds) else docs
-    sharded = isinstance(docs, DocumentBounds) and docs.shard is not None
-    if sharded or x.dim() != 3 or x.shape[-1] % pieces or resolve_backend(x, weight, backend) != "triton":
+    if isinstance(docs, DocumentBounds) and docs.shard is not None:
         return short_conv(x, weight, docs, activation=activation, backend=backend).chunk(pieces, dim=-1)
-    _check(x, weight, cu_seqlens, activation, backend)
-    if isinstance(docs, DocumentBounds) and docs.total != x.shape[1]:
-        raise ValueError(f"short_conv: the documents (docs) end at {docs.total} but x has T = {x.shape[1]} tokens; "
-                         "the last boundary must be the row length")
+    pos = _checked_positions(x, weight, docs, activation, backend)
+    if x.shape[-1] % pieces or resolve_backend(x, weight, backend) != "triton":
+        return convolve_at_positions(x, weight, pos, activation, backend).chunk(pieces, dim=-1)
     from moe_lc_kernels.short_conv import short_conv_triton_pieces
 
-    pos = None if cu_seqlens is None else position_in_document(x.shape[1], cu_seqlens, x.device).to(torch.int32)
-    return short_conv_triton_pieces(x, weight, pieces, pos, silu=activation == "silu")
+    return short_conv_triton_pieces(x, weight, pieces, None if pos is None else pos.to(torch.int32),
+                                    silu=activation == "silu")
 
 
 def convolve_at_positions(
