@@ -24,7 +24,7 @@ import torch.distributed as dist
 import moe_lc.train.step as step_module
 from moe_lc.data.packing import IGNORE_INDEX, Sample, collate
 from moe_lc.model.transformer import MoELCModel
-from moe_lc.optim import OptimConfig
+from moe_lc.optim import OptimConfig, clip_divisor, clip_grad_norm
 from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.presets import get_preset
 from moe_lc.train.bad_steps import SpikeDetector, step_if_finite
@@ -78,6 +78,35 @@ def test_a_skipped_update_leaves_parameters_moments_and_step_counts_bitwise(fuse
     assert not hasattr(opt, "found_inf")
 
 
+def test_clipping_folded_into_the_fused_update_equals_clipping_first():
+    """The trainer's fused AdamW divides the gradients by ``clip_divisor`` as it reads them instead
+    of a separate clipping pass: the moments and parameters must be those of clipping first (to
+    fp32 rounding: a division where the clip multiplies), and a norm under the limit divides by 1."""
+    torch.manual_seed(0)
+    shapes = [(5, 3), (7,)]
+    start = [torch.randn(s) for s in shapes]
+    first = [torch.nn.Parameter(t.clone()) for t in start]
+    folded = [torch.nn.Parameter(t.clone()) for t in start]
+    opt_first = torch.optim.AdamW(first, lr=1e-2, fused=True)
+    opt_folded = torch.optim.AdamW(folded, lr=1e-2, fused=True)
+    for scale in (5.0, 0.01, 3.0):  # over, under, over the limit of 1.0
+        grads = [torch.randn(s) * scale for s in shapes]
+        for p, q, g in zip(first, folded, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        norm_first = clip_grad_norm(first, 1.0)
+        norm = clip_grad_norm(folded, 1.0, scale_grads=False)
+        assert all(torch.equal(q.grad, g) for q, g in zip(folded, grads))  # measured, not scaled
+        assert torch.equal(norm, norm_first)
+        opt_first.step()
+        step_if_finite(opt_folded, torch.tensor(True), clip_divisor(norm, 1.0))
+        for p, q in zip(first, folded):
+            for key in ("exp_avg", "exp_avg_sq"):  # the moments hold the clipped gradient itself
+                torch.testing.assert_close(opt_folded.state[q][key], opt_first.state[p][key], rtol=1e-6, atol=0)
+            torch.testing.assert_close(q, p, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="fused"):
+        step_if_finite(torch.optim.SGD(folded, lr=0.1), torch.tensor(True), torch.tensor(2.0))
+
+
 # ----------------------------------------------------------------------------- two ranks
 
 
@@ -106,10 +135,10 @@ def _three_steps(leave_out_step_1: bool) -> dict:
         if step == 1 and leave_out_step_1:
             continue
         if step == 1 and rank == 1:
-            def poisoned(max_norm: float) -> torch.Tensor:
+            def poisoned(max_norm: float, **options) -> torch.Tensor:
                 grad = next(p.grad for p in state.model.parameters() if p.grad is not None)
                 (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = math.nan  # in place
-                return real_clip(max_norm)
+                return real_clip(max_norm, **options)
             state.clip_grad_norm = poisoned
         result = train_step(state, _micro_batches(step, rank, cfg.vocab_size), step, 10, optim, runtime)
         state.clip_grad_norm = real_clip

@@ -89,6 +89,26 @@ def test_the_step_reads_back_once_on_cpu(monkeypatch, fused):
         assert math.isfinite(result.loss) and result.grad_norm > 0
 
 
+def test_a_fused_adamw_clips_as_it_reads_the_gradients_as_clipping_first_would():
+    """With a fused AdamW the step hands the clip to the optimizer (its grad_scale input) instead of
+    scaling the gradients first: the moments after a clipped step must hold the clipped gradient,
+    as the unfused AdamW's do (to fp32 rounding), and the logged norm is the unclipped one."""
+    runtime = _runtime(torch.device("cpu"))
+    optim = OptimConfig(lr=1e-3, grad_clip=0.05)
+    runs = []
+    for fused in (True, False):
+        cfg, state = _state(runtime)
+        state.optimizer = torch.optim.AdamW(param_groups(state.model, 0.1), lr=1e-3, fused=fused)
+        result = train_step(state, _micro_batches(cfg.vocab_size), 0, TOTAL_STEPS, optim, runtime)
+        runs.append((result, state))
+    (fused_result, fused_state), (plain_result, plain_state) = runs
+    assert fused_result.grad_norm == plain_result.grad_norm > 10 * optim.grad_clip  # clipping was active
+    for p, q in zip(fused_state.model.parameters(), plain_state.model.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(fused_state.optimizer.state[p][key], plain_state.optimizer.state[q][key],
+                                       rtol=1e-5, atol=1e-12)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_step_waits_for_the_gpu_only_at_its_end():
     runtime = _runtime(torch.device("cuda", torch.cuda.current_device()))

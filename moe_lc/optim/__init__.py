@@ -1,7 +1,7 @@
 """Optimizers (docs/design.md §7.6): AdamW, Muon with per-head blocks, the cosine schedule and gradient clipping."""
 
 from moe_lc.optim.build import build_optimizer
-from moe_lc.optim.clip import clip_grad_norm
+from moe_lc.optim.clip import clip_divisor, clip_grad_norm
 from moe_lc.optim.config import OptimConfig
 from moe_lc.optim.groups import ParamRole, muon_param_groups, param_groups, parameter_roles
 from moe_lc.optim.muon import Muon, muon_direction
@@ -14,6 +14,7 @@ __all__ = [
     "ParamRole",
     "apply_lr",
     "build_optimizer",
+    "clip_divisor",
     "clip_grad_norm",
     "lr_at",
     "muon_direction",

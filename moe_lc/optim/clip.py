@@ -26,6 +26,7 @@ def clip_grad_norm(
     foreach: bool = True,
     stage_group: Optional[Any] = None,
     uncounted: Iterable[torch.Tensor] = (),
+    scale_grads: bool = True,
 ) -> torch.Tensor:
     """Scale all gradients so that their global L2 norm is at most max_norm; return the pre-clip norm.
 
@@ -34,7 +35,8 @@ def clip_grad_norm(
     norms are summed, and summed again over ``stage_group`` (the ranks of a pipeline, which hold
     different parameters; every rank of it must call). ``uncounted``: parameters whose gradients are
     scaled but not counted, being copies of a parameter counted on another rank (the last pipeline
-    stage's embedding). max_norm <= 0 or inf only measures. Returns a scalar tensor in at least fp32
+    stage's embedding). max_norm <= 0 or inf only measures, and so does ``scale_grads=False``, for an
+    optimizer that divides the gradients by ``clip_divisor`` as it reads them. Returns a scalar tensor in at least fp32
     (fp64 for fp64 gradients, so that float64 runs clip as exactly as they compute).
     """
     params = list(params)
@@ -65,7 +67,7 @@ def clip_grad_norm(
     if stage_group is not None:
         dist.all_reduce(total_sq, group=stage_group)
     total = total_sq.sqrt()
-    if 0 < max_norm < math.inf:
+    if scale_grads and 0 < max_norm < math.inf:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         # every shard scales by the same global factor; local tensors keep DTensor dispatch out of the way
         same_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -79,3 +81,11 @@ def clip_grad_norm(
                 for t in tensors:
                     t.mul_(coef.to(dev, dtype))
     return total
+
+
+def clip_divisor(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What dividing the gradients by clips them as ``clip_grad_norm`` scales them: the reciprocal of
+    its factor, max(1, (norm + 1e-6) / max_norm). torch's fused Adam/AdamW divide every gradient by
+    their ``grad_scale`` input as they read it, which saves the separate pass over all gradients
+    (on one H200, 9.5 ms of a k3-small step's 49 ms optimizer region)."""
+    return ((total_norm + 1e-6) / max_norm).clamp(min=1.0)

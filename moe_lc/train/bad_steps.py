@@ -39,12 +39,17 @@ def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, torch.optim.Adam) and all(g.get("fused") for g in optimizer.param_groups)
 
 
-def step_if_finite(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+def step_if_finite(optimizer: torch.optim.Optimizer, finite: torch.Tensor,
+                   grad_divisor: Optional[torch.Tensor] = None) -> None:
     """`optimizer.step()` where `finite` (a device bool, the same on every rank) is true, else nothing:
-    parameters, moments and step counts stay as they were."""
+    parameters, moments and step counts stay as they were. ``grad_divisor`` (a device scalar; only
+    where ``skips_on_device``): the fused kernel divides every gradient by it as it reads them
+    (gradient clipping folded into the update, ``moe_lc.optim.clip.clip_divisor``)."""
+    if grad_divisor is not None and not skips_on_device(optimizer):
+        raise ValueError("step_if_finite: grad_divisor needs torch's fused Adam/AdamW; clip the gradients first")
     if skips_on_device(optimizer):
         optimizer.found_inf = (~finite).to(torch.float32)  # the fused kernel returns early where it is 1
-        optimizer.grad_scale = None
+        optimizer.grad_scale = grad_divisor.to(torch.float32) if grad_divisor is not None else None
         try:
             optimizer.step()
         finally:

@@ -58,15 +58,15 @@ class ModelState:
         if self.pipeline is not None:
             self.pipeline.finish_gradient_sync()
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global gradient norm before clipping (max_norm 0: measure only), a device scalar: reading it
-        waits for the GPU, so the step reads it with its other results at its end."""
+    def clip_grad_norm(self, max_norm: float, scale_grads: bool = True) -> torch.Tensor:
+        """Global gradient norm before clipping (max_norm 0 or ``scale_grads=False``: measure only), a
+        device scalar: reading it waits for the GPU, so the step reads it with its other results at its end."""
         # mesh-aware: sums shard norms per device mesh, counts replicas once (any layout, or none)
         if self.pipeline is None:
-            return clip_grad_norm(self.model.parameters(), max_norm)
+            return clip_grad_norm(self.model.parameters(), max_norm, scale_grads=scale_grads)
         copy = self.pipeline.embedding_copy()  # counted on the first stage's rank
         return clip_grad_norm(self.model.parameters(), max_norm, stage_group=self.pipeline.group,
-                              uncounted=[copy] if copy is not None else [])
+                              uncounted=[copy] if copy is not None else [], scale_grads=scale_grads)
 
 
 def _optimizer_over(model: nn.Module, cfg: OptimConfig):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -48,13 +49,14 @@ from moe_lc.model.accounting import causal_keys_per_token
 from moe_lc.model.moe import reuse_weight_casts
 from moe_lc.ops.documents import DocumentBounds, upload
 from moe_lc.optim import OptimConfig, apply_lr
+from moe_lc.optim.clip import clip_divisor
 from moe_lc.model.transformer import IGNORE_INDEX, mtp_labels
 from moe_lc.parallel import data_parallel_group
 from moe_lc.parallel.activation_checkpointing import CheckpointMode
 from moe_lc.parallel.context import ContextShard, shard_model_inputs, shard_row
 from moe_lc.parallel.loss_weights import TermWeights, weighted_terms
 from moe_lc.parallel.pipeline_stage import StageBatch
-from moe_lc.train.bad_steps import step_if_finite, update_biases_if_finite
+from moe_lc.train.bad_steps import skips_on_device, step_if_finite, update_biases_if_finite
 from moe_lc.train.curriculum import StagePlan
 from moe_lc.train.data import StageData
 from moe_lc.train.model_setup import ModelState
@@ -223,14 +225,16 @@ def train_step(
     sums = _sum_over_pipeline(_sum_over_data_parallel(torch.stack([lm_sum, extra_sum]), state), state)
     update = Interval(device)
     with region("optimizer"):
-        grad_norm = state.clip_grad_norm(optim_cfg.grad_clip)
+        # torch's fused AdamW clips as it reads the gradients (one pass over them fewer)
+        fold_clip = skips_on_device(optimizer) and 0 < optim_cfg.grad_clip < math.inf
+        grad_norm = state.clip_grad_norm(optim_cfg.grad_clip, scale_grads=not fold_clip)
         finite = _on_every_rank(torch.isfinite(grad_norm.to(device)) & torch.isfinite(sums).all(), runtime)
         lr = apply_lr(optimizer, step, total_steps, optim_cfg)
         if adam_step_overflows(lr, optim_cfg.betas[0], step):
             raise ConfigError(lr_overflow_message(optim_cfg, lr, step))
         update.start()
         try:
-            step_if_finite(optimizer, finite)
+            step_if_finite(optimizer, finite, clip_divisor(grad_norm, optim_cfg.grad_clip) if fold_clip else None)
         except RuntimeError as err:
             if "overflow" not in str(err):
                 raise
