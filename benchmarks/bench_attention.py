@@ -16,6 +16,8 @@ peak memory of one forward+backward above the inputs, for:
 * ``loop``: one SDPA call per document (backend "torch"; on Hopper SDPA runs cuDNN's kernels, which
   build a plan for every new sequence length: ~0.1 s each on an H200 with torch 2.11, with or without
   ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``);
+* ``padded``: the loop with each document padded to one of a few lengths (backend "padded"), so
+  that cuDNN builds a plan per padded length once rather than one per new document length;
 * ``flex``: flex attention with the document BlockMask (built once, outside the timing);
 * ``varlen``: varlen_attn (FlashAttention-2, v zero-padded to 192), where torch has it;
 * ``sdpa row``: one causal SDPA call over the whole row, documents ignored: a speed reference only
@@ -49,8 +51,8 @@ from moe_lc.ops.documents import upload
 QK_DIM, V_DIM = 192, 128
 SCALE = QK_DIM**-0.5
 SHAPES = ("T8K_docs8", "T64K_docs24", "T64K_single")  # T<thousands>K_docs<count> or T<thousands>K_single
-VARIANTS = ("loop", "flex", "varlen", "sdpa row")
-VARIANT_BACKEND = {"loop": "torch", "flex": "flex", "varlen": "varlen", "sdpa row": "torch"}
+VARIANTS = ("loop", "padded", "flex", "varlen", "sdpa row")
+VARIANT_BACKEND = {"loop": "torch", "padded": "padded", "flex": "flex", "varlen": "varlen", "sdpa row": "torch"}
 
 
 def parse_shape(name: str) -> tuple[int, int]:

@@ -3,7 +3,7 @@
 Trains the recipe's first stage twice from the same seed on the same batches, on one GPU:
 
 - fast: every op on its "auto" backend (grouped expert GEMMs, fused SiTU, the KDA and short-conv
-  Triton kernels, varlen attention over the packed documents), compiled as the recipe's
+  Triton kernels, attention over the packed documents on its "auto" backend), compiled as the recipe's
   ``compile:`` says (the proxy recipes' ``auto``: compiled on one GPU; ``compile.enabled=false``
   compares the eager fast path);
 - plain: every op on its PyTorch reference ("torch": the per-expert loop, SiTU in PyTorch, the

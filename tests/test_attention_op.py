@@ -2,8 +2,9 @@
 the formula: softmax(q k^T * scale + M) v with M = 0 where the key is not after the query and in
 its document, -inf elsewhere; gradients of q, k, v from autograd through that formula.
 
-Every backend that runs here is tested: on CPU "torch" (forward and gradients) and "flex" (eager,
-forward only: torch has no CPU backward for flex attention); on CUDA all three, "varlen" in bf16.
+Every backend that runs here is tested: on CPU "torch" and "padded" (forward and gradients) and
+"flex" (eager, forward only: torch has no CPU backward for flex attention); on CUDA all four,
+"varlen" in bf16.
 Rows of 300 tokens span three of flex's 128-token blocks, so documents start inside blocks, fill
 whole blocks and end on block edges.
 """
@@ -29,7 +30,7 @@ F64 = torch.float64
 # probabilities to bf16 before multiplying by v.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE.type == "cuda" else [torch.float32]
-BACKENDS = ["torch", "flex", "varlen"]
+BACKENDS = ["torch", "padded", "flex", "varlen"]
 T = 300
 CASES = {
     "one-token documents": [1, 130, 1, 1, 40, 127],
@@ -185,13 +186,56 @@ def test_auto_follows_the_cuda_order(monkeypatch):
     unavailable = set()
     monkeypatch.setattr(attention, "backend_unavailable_reason",
                         lambda name, device: "off in this test" if name in unavailable else None)
-    assert resolve_backend("auto", cuda, has_documents=True) == CUDA_ORDER_DOCUMENTS[0]
+    long_documents = attention.PADDED_MIN_MEAN_LENGTH
+    assert resolve_backend("auto", cuda, True, mean_document_length=long_documents) == CUDA_ORDER_DOCUMENTS[0]
     unavailable.add(CUDA_ORDER_DOCUMENTS[0])
-    assert resolve_backend("auto", cuda, has_documents=True) == CUDA_ORDER_DOCUMENTS[1]
+    assert resolve_backend("auto", cuda, True, mean_document_length=long_documents) == CUDA_ORDER_DOCUMENTS[1]
     unavailable.clear()
     fp32 = torch.zeros(1, 1, 4, 16)  # varlen takes fp16/bf16 only
     expected = next(name for name in CUDA_ORDER_DOCUMENTS if inputs_unsupported_reason(name, fp32, fp32, fp32) is None)
-    assert resolve_backend("auto", cuda, True, inputs=(fp32, fp32, fp32)) == expected
+    assert resolve_backend("auto", cuda, True, inputs=(fp32, fp32, fp32), mean_document_length=long_documents) == expected
+
+
+def test_auto_pads_documents_only_where_they_are_long_and_known_on_the_host(monkeypatch):
+    """"padded" makes one SDPA call per document: auto takes it for batches of long documents whose
+    boundaries the host holds, never where it would have to read them back or launch per short one."""
+    monkeypatch.setattr(attention, "backend_unavailable_reason", lambda name, device: None)
+    monkeypatch.setattr(attention, "_read_bounds", lambda cu: pytest.fail("cu_seqlens was read back"))
+    cuda, n = torch.device("cuda"), attention.PADDED_MIN_MEAN_LENGTH
+    assert CUDA_ORDER_DOCUMENTS[0] == "padded"
+    long_docs, short_docs = [0, 3 * n, 4 * n], [0, n // 2, n, 3 * n // 2]  # means 2n and n / 2
+    assert document_mask(4 * n, seq_bounds=long_docs, device=cuda).backend == "padded"
+    assert resolve_backend("auto", cuda, True, mean_document_length=n / 2) == CUDA_ORDER_DOCUMENTS[1]
+    assert attention._mean_length(short_docs) == n / 2
+    assert resolve_backend("auto", cuda, True) == CUDA_ORDER_DOCUMENTS[1]  # boundaries not on the host
+    assert resolve_backend("padded", cuda, True) == "padded"  # asked for: taken whatever the lengths
+
+
+def test_padded_lengths_are_few_and_close_above_the_length():
+    """Each length pads to at most 1/16 more from 8K tokens on (a multiple of 512 below), and the
+    lengths that occur are few: every one of them is an execution plan that cuDNN builds once."""
+    lengths = {attention.padded_length(n) for n in range(1, 65537)}
+    assert all(attention.padded_length(n) >= n for n in range(1, 65537))
+    assert max(attention.padded_length(n) - n for n in range(1, 8193)) == attention.PAD_MIN_STEP - 1
+    assert max(attention.padded_length(n) / n for n in range(8192, 65537)) <= 1 + 1 / 16
+    assert sorted(x for x in lengths if x <= 8192) == list(range(512, 8193, 512))  # 16 up to 8K
+    assert len(lengths) == 16 + 3 * 16  # and 16 per doubling after
+    assert all(attention.padded_length(n) == n for n in lengths)  # a padded length pads to itself
+
+
+def test_padding_documents_changes_nothing_in_float64():
+    """Documents padded to their lengths (512 pads to itself; 37 and 600 pad up) give the formula's
+    output and gradients: the zero rows after a document are hidden from its real queries."""
+    lens = [512, 37, 600]
+    q, k, v, dout = (t.double().cpu() for t in inputs(torch.float32, heads=1, qk_dim=8, v_dim=4, seq_len=sum(lens)))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    mask = document_mask(sum(lens), seq_bounds=bounds_of(lens), backend="padded")
+    assert mask.backend == "padded"
+    out = causal_document_attention(q, k, v, 0.3, mask=mask)
+    ref = reference(q, k, v, 0.3, lens)
+    assert rel(out, ref) < 1e-12
+    grads, ref_grads = torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)
+    assert all(rel(g, r) < 1e-12 for g, r in zip(grads, ref_grads))
 
 
 def test_auto_with_a_mask_the_inputs_do_not_fit_runs_torch():

@@ -21,16 +21,23 @@ Backends (``backend=``):
   where this torch has it: CUDA with compute capability >= 8.0, fp16/bf16, one head size of at most
   256 for q, k and v, so a narrower v is zero-padded (zero columns of v give zero output columns,
   sliced off; exact).
+* ``"padded"``: the "torch" loop with every document padded at its end to a length of a few
+  buckets (:func:`padded_length`: a multiple of 512 tokens, coarser beyond 16K, at most 1/16
+  longer there), so that SDPA's cuDNN kernel on CUDA finds an execution plan built for that length
+  before instead of building one (~0.1 s) for every new length. Exact: causality keeps the padding
+  out of every real query, and the padded queries' outputs are cut off. Runs wherever SDPA does.
 * ``"auto"``: on CUDA the first of :data:`CUDA_ORDER_DOCUMENTS` (with documents) or
   :data:`CUDA_ORDER_NO_DOCUMENTS` (without) that runs here and takes the inputs; ``"torch"`` on CPU.
+  "padded" is taken only where the mask knows the boundaries on the host and the documents
+  average at least :data:`PADDED_MIN_MEAN_LENGTH` tokens (its launches grow with their count).
 
 Why those orders (H200, bf16, ``benchmarks/bench_attention.py``, docs/performance.md §11): without
 documents SDPA runs cuDNN's Hopper kernel, about twice FlashAttention-2's speed. With documents the
 per-document SDPA loop is as fast only while the document lengths repeat: cuDNN builds a plan for
 every new sequence length (about 0.1 s each), and training packs new lengths into every batch, so
-the loop took seconds per call where varlen took 27 ms (T = 64K, 24 documents). varlen was
-1.2-1.4x faster than flex at all shapes measured but one (within 3% there). Change the orders
-when a measurement says otherwise.
+the loop took seconds per call where varlen took 27 ms (T = 64K, 24 documents); padded to a few
+lengths it builds each plan once and runs cuDNN's kernel. varlen was 1.2-1.4x faster than flex at
+all shapes measured but one (within 3% there). Change the orders when a measurement says otherwise.
 
 The mask depends only on the batch's boundaries, not on the layer, so it is built once per batch
 with :func:`document_mask` and handed to every MLA layer (``mask=``); without one, each call builds
@@ -97,6 +104,7 @@ __all__ = [
     "DocumentMask",
     "QueryPieces",
     "document_mask",
+    "padded_length",
     "keys_of_row",
     "query_pieces",
     "causal_document_attention",
@@ -105,14 +113,27 @@ __all__ = [
     "resolve_backend",
 ]
 
-BACKENDS = ("auto", "torch", "flex", "varlen")
+BACKENDS = ("auto", "torch", "padded", "flex", "varlen")
 # What "auto" tries on CUDA, fastest first (measured on an H200: the module docstring says why).
-CUDA_ORDER_DOCUMENTS = ("varlen", "flex", "torch")
+CUDA_ORDER_DOCUMENTS = ("padded", "varlen", "flex", "torch")
 CUDA_ORDER_NO_DOCUMENTS = ("torch", "varlen", "flex")
 
 _FLEX_CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 _VARLEN_MAX_HEAD_DIM = 256  # FlashAttention-2's largest head size
+# "padded": the smallest length step, and 2^PAD_OCTAVE_STEPS steps per doubling of the length above it
+PAD_MIN_STEP = 512
+PAD_OCTAVE_STEPS = 4
+# "auto" takes "padded" for batches whose documents average at least this many tokens: each
+# document is its own SDPA call (and a pad and slice), which shorter documents make launch-bound
+PADDED_MIN_MEAN_LENGTH = 1024
+
+
+def padded_length(n: int) -> int:
+    """n rounded up to a multiple of max(PAD_MIN_STEP, 2^(floor(log2 n) - PAD_OCTAVE_STEPS)): 16
+    lengths up to 8K tokens, 16 more per doubling above, at most 1/16 above n from 8K on."""
+    step = max(PAD_MIN_STEP, 1 << max(n.bit_length() - 1 - PAD_OCTAVE_STEPS, 0))
+    return -(-n // step) * step
 
 
 @dataclass(frozen=True)
@@ -194,8 +215,8 @@ class DocumentMask:
 
     @property
     def device(self) -> Optional[torch.device]:
-        """Where the mask lives; None for a "torch" mask (host boundaries only)."""
-        if self.backend == "torch":
+        """Where the mask lives; None for a "torch" or "padded" mask (host boundaries only)."""
+        if self.backend in ("torch", "padded"):
             return None
         if self.block_mask is not None:
             return self.block_mask.kv_num_blocks.device
@@ -206,7 +227,7 @@ class DocumentMask:
 def backend_unavailable_reason(backend: str, device: torch.device) -> Optional[str]:
     """Why ``backend`` cannot run on ``device`` with this torch build, or None when it can."""
     device = torch.device(device)
-    if backend == "torch":
+    if backend in ("torch", "padded"):
         return None
     if backend == "flex":
         if _flex_api() is None:
@@ -253,13 +274,17 @@ def _order(device: torch.device, has_documents: bool) -> tuple[str, ...]:
 
 
 def resolve_backend(backend: str, device: torch.device, has_documents: bool,
-                    inputs: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> str:
+                    inputs: Optional[tuple[Tensor, Tensor, Tensor]] = None,
+                    mean_document_length: Optional[float] = None) -> str:
     """The backend that runs: "auto" takes the first of its order that runs on ``device`` (and
-    takes ``inputs`` when given); an explicit backend that cannot is an error, not a fallback."""
+    takes ``inputs`` when given), "padded" only for documents of ``mean_document_length`` (known on
+    the host) >= PADDED_MIN_MEAN_LENGTH; an explicit backend that cannot is an error, not a fallback."""
     if backend not in BACKENDS:
         raise ValueError(f"attention: unknown backend {backend!r}; choose one of {list(BACKENDS)}")
     device = torch.device(device)
     candidates = _order(device, has_documents) if backend == "auto" else (backend,)
+    if backend == "auto" and (mean_document_length is None or mean_document_length < PADDED_MIN_MEAN_LENGTH):
+        candidates = tuple(name for name in candidates if name != "padded")
     for name in candidates:
         reason = backend_unavailable_reason(name, device)
         if reason is None and inputs is not None:
@@ -294,6 +319,11 @@ def _several_documents(cu_seqlens: Optional[Tensor], seq_bounds: Optional[Sequen
     if seq_bounds is not None:
         return len(seq_bounds) > 2
     return cu_seqlens is not None and cu_seqlens.numel() > 2
+
+
+def _mean_length(bounds: Optional[Sequence[int]]) -> Optional[float]:
+    """Mean document length from host boundaries; None when they are not on the host."""
+    return None if bounds is None else bounds[-1] / (len(bounds) - 1)
 
 
 def _document_ids(cu_seqlens: Tensor, seq_len: int) -> Tensor:
@@ -375,11 +405,11 @@ def document_mask(
         if batch != 1:
             raise ValueError(f"attention: query_ranges are positions in one packed row, got batch size {batch}")
         return _pieces_mask(seq_len, cu_seqlens, bounds, query_ranges, device, backend)
-    name = resolve_backend(backend, device, has_documents)
-    if name == "torch":
+    name = resolve_backend(backend, device, has_documents, mean_document_length=_mean_length(bounds))
+    if name in ("torch", "padded"):
         if has_documents and bounds is None:
             bounds = _check_bounds(_read_bounds(cu_seqlens), seq_len)
-        return DocumentMask("torch", seq_len, batch, has_documents, bounds=bounds, cu_seqlens=cu_seqlens)
+        return DocumentMask(name, seq_len, batch, has_documents, bounds=bounds, cu_seqlens=cu_seqlens)
     if has_documents and cu_seqlens is None:
         cu_seqlens = upload(torch.tensor(bounds, dtype=torch.int32), device)
     if has_documents:
@@ -406,10 +436,11 @@ def _pieces_mask(seq_len: int, cu_seqlens: Optional[Tensor], bounds: Optional[tu
     if has_documents and bounds is None:
         bounds = _check_bounds(_read_bounds(cu_seqlens), seq_len)
     pieces = query_pieces(bounds if has_documents else (0, seq_len), query_ranges)
-    name = resolve_backend(backend, device, True)  # the documents' order: plain causal SDPA cannot offset queries
+    # the documents' order: plain causal SDPA cannot offset queries, and "padded" pads whole documents
+    name = resolve_backend(backend, device, True)
     common = dict(has_documents=has_documents, bounds=bounds, queries=pieces)
-    if name == "torch":
-        return DocumentMask("torch", seq_len, 1, cu_seqlens=cu_seqlens, **common)
+    if name in ("torch", "padded"):  # query pieces run the loop's pieces path either way
+        return DocumentMask(name, seq_len, 1, cu_seqlens=cu_seqlens, **common)
     if name == "flex":
         if has_documents and cu_seqlens is None:
             cu_seqlens = upload(torch.tensor(bounds, dtype=torch.int32), device)
@@ -430,13 +461,15 @@ def _pieces_mask(seq_len: int, cu_seqlens: Optional[Tensor], bounds: Optional[tu
 
 # ----------------------------------------------------------------------------- the backends
 def _torch_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bounds: Optional[tuple[int, ...]],
-                     queries: Optional[QueryPieces] = None) -> Tensor:
-    """The definition: one causal SDPA call per document, or one for the whole row, or one per query piece."""
+                     queries: Optional[QueryPieces] = None, padded: bool = False) -> Tensor:
+    """The definition: one causal SDPA call per document, or one for the whole row, or one per query
+    piece; ``padded``: each document's q, k, v zero-padded at its end to ``padded_length``."""
     v_dim = v.shape[-1]
     if q.device.type == "cpu" and v_dim < q.shape[-1]:
         # CPU SDPA has a fast (flash) kernel only for equal q/k and v head sizes; zero columns
         # of v give zero output columns, so padding and slicing back is exact.
-        return _torch_attention(q, k, F.pad(v, (0, q.shape[-1] - v_dim)), scale, bounds, queries)[..., :v_dim]
+        return _torch_attention(q, k, F.pad(v, (0, q.shape[-1] - v_dim)), scale, bounds, queries,
+                                padded)[..., :v_dim]
     if queries is not None:
         return _torch_pieces(q, k, v, scale, queries)
     if bounds is None:
@@ -445,11 +478,21 @@ def _torch_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bounds: Opti
     # where every slice's backward would fill a whole-row tensor of zeros.
     lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     outs = [
-        F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
+        _causal_sdpa(qd, kd, vd, scale, padded_length(qd.shape[2]) if padded else qd.shape[2])
         for qd, kd, vd in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))
         if qd.shape[2] > 0
     ]
     return torch.cat(outs, dim=2)
+
+
+def _causal_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, length: int) -> Tensor:
+    """Causal SDPA of one document run at ``length`` >= its own: zero rows appended to q, k, v come
+    after every real token, so causality hides them from the real queries; their outputs are cut."""
+    n = q.shape[2]
+    if length == n:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    q, k, v = (F.pad(x, (0, 0, 0, length - n)) for x in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[:, :, :n]
 
 
 def _torch_pieces(q: Tensor, k: Tensor, v: Tensor, scale: float, queries: QueryPieces) -> Tensor:
@@ -582,7 +625,7 @@ def causal_document_attention(
     bounds = mask.bounds
     if mask.has_documents and bounds is None and mask.queries is None:
         bounds = _check_bounds(_read_bounds(mask.cu_seqlens), mask.seq_len)
-    return _torch_attention(q, k, v, scale, bounds, mask.queries)
+    return _torch_attention(q, k, v, scale, bounds, mask.queries, padded=name == "padded")
 
 
 # ----------------------------------------------------------------------------- the keys of the row

@@ -148,8 +148,10 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- Gated MLA
     Mutant("mla-documents-ignored", ATTENTION, "    if bounds is None:\n        return F.scaled_dot_product_attention(",
            "    if True:\n        return F.scaled_dot_product_attention(", "attention across document boundaries"),
-    Mutant("mla-not-causal-in-documents", ATTENTION, "F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)",
-           "F.scaled_dot_product_attention(qd, kd, vd, is_causal=False, scale=scale)", "attention to later tokens of the document"),
+    Mutant("mla-not-causal-in-documents", ATTENTION,
+           "if length == n:\n        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)",
+           "if length == n:\n        return F.scaled_dot_product_attention(q, k, v, is_causal=False, scale=scale)",
+           "attention to later tokens of the document"),
     Mutant("mla-shared-key-dropped", MLA, "k = torch.cat([k_nope, shared_key[0].unsqueeze(2).expand(B, S, H, c.qk_rope_dim)], dim=-1)",
            "k = torch.cat([k_nope, torch.zeros_like(shared_key[0]).unsqueeze(2).expand(B, S, H, c.qk_rope_dim)], dim=-1)",
            "the shared key slot never reaches the scores"),
@@ -231,6 +233,13 @@ MUTANTS: tuple[Mutant, ...] = (
            "fallback = _torch", "inputs the Triton kernels cannot take never go to fla"),
     Mutant("kda-auto-order-reversed", KDA_OP, '_AUTO_ORDER = ("triton", "fla", "torch")', '_AUTO_ORDER = ("torch", "fla", "triton")',
            "auto takes the reference before any kernel"),
+    # -- attention over padded documents
+    Mutant("attention-padding-before-the-document", ATTENTION,
+           "q, k, v = (F.pad(x, (0, 0, 0, length - n)) for x in (q, k, v))",
+           "q, k, v = (F.pad(x, (0, 0, length - n, 0)) for x in (q, k, v))",
+           "the zero rows go before the document, where causality lets every real query see them"),
+    Mutant("attention-padded-length-rounds-down", ATTENTION, "return -(-n // step) * step", "return n // step * step or step",
+           "documents cut to a multiple of the step instead of padded up to one"),
     # -- FLOP accounting
     Mutant("flops-count-elementwise-params", ACCOUNTING, "3.0 * (2.0 * matmul_parameters(cfg) +",
            "3.0 * (2.0 * (count_parameters(cfg).active - count_parameters(cfg).active_by_component"
