@@ -218,18 +218,21 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(e)
         return 1
-    available = {b: op.backend_unavailable_reason(b, device) for b in ("torch", "flex", "varlen")}
+    available = {b: op.backend_unavailable_reason(b, device) for b in ("torch", "padded", "flex", "varlen")}
     report = {
         "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "python": platform.python_version(),
         "triton": getattr(sys.modules.get("triton"), "__version__", None), "head_dims": [QK_DIM, V_DIM],
         "available": available, "results": [],
         "TORCH_CUDNN_SDPA_AVOID_RECOMPILE": os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE"),
         "auto": {"documents": op.resolve_backend("auto", device, True),
+                 "long documents": op.resolve_backend("auto", device, True,
+                                                      mean_document_length=op.PADDED_MIN_MEAN_LENGTH),
                  "no documents": op.resolve_backend("auto", device, False)},
     }
     for b, reason in available.items():
         print(f"bench_attention: {b}: {'available' if reason is None else 'unavailable: ' + reason}")
     print(f"bench_attention: auto picks {report['auto']['documents']} with documents, "
+          f"{report['auto']['long documents']} with documents of >= {op.PADDED_MIN_MEAN_LENGTH} tokens on average, "
           f"{report['auto']['no documents']} without", flush=True)
     started = time.time()
     report["accuracy"] = accuracy(device, available)

@@ -67,6 +67,11 @@ step bench_k3_small_8k_no_kda_states python -m moe_lc.cli bench k3-small-8k $S.a
     --steps 3 --warmup 2 --json "$OUT/bench_k3_small_8k_no_kda_states.json"
 # the experts' per-micro-batch weight-gradient sums: torch's two-dtype add against accumulate_ (§12.3)
 step grad_accumulation python benchmarks/bench_grad_accumulation.py
+# the short convolution's kernels at KDA's stacked q, k, v shape and the older reference shape (§8)
+step short_conv python benchmarks/bench_short_conv.py
+# the padded per-document cuDNN attention against varlen, long and short documents (§11)
+step attention_padded python benchmarks/bench_attention.py --heads 16 --shapes T8K_docs2,T8K_docs8,T64K_docs24,T64K_docs64,T64K_docs256 \
+    --variants varlen,padded --fresh 4 --out "$OUT"
 # the KDA op with the states kept by the forward: timing against fla, the B=2, T=16K check, the fuzz
 step kda_keep_states python benchmarks/bench_kda.py --no-torch --shapes B2_T16K,B8_T4K --check-shapes B2_T16K \
     --fuzz 12 --keep-states --out "$OUT/kda_keep_states"

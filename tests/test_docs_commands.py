@@ -122,6 +122,10 @@ COMMANDS: dict[str, object] = {
         "python benchmarks/bench_attention.py --out results/",
         "python benchmarks/bench_attention.py --quick",
         "python benchmarks/bench_grad_accumulation.py",
+        "python benchmarks/bench_short_conv.py",
+        "python benchmarks/bench_short_conv.py --shapes kda_qkv_B1_T16K_C6144_docs --tuning 'fwd_bt=128;bwd_bt=64'",
+        "python benchmarks/bench_attention.py --heads 16 --shapes T8K_docs2,T8K_docs8,T64K_docs24,T64K_docs64,"
+        "T64K_docs256 --variants varlen,padded --fresh 4",
         "python benchmarks/bench_attention.py --heads 16 --shapes T64K_docs24,T64K_docs256,T8K_single --variants "
         "loop,varlen --fresh 4",
         "TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 python benchmarks/bench_attention.py ...",

@@ -125,8 +125,10 @@ _VARLEN_MAX_HEAD_DIM = 256  # FlashAttention-2's largest head size
 PAD_MIN_STEP = 512
 PAD_OCTAVE_STEPS = 4
 # "auto" takes "padded" for batches whose documents average at least this many tokens: each
-# document is its own SDPA call (and a pad and slice), which shorter documents make launch-bound
-PADDED_MIN_MEAN_LENGTH = 1024
+# document is its own SDPA call (and a pad and slice), which shorter documents make launch-bound.
+# On an H200 (H = 16, random cuts of the row) it was 1.37-1.40x varlen at means of 2,731 and 4,096
+# tokens and 0.44-0.75x at 1,024 (docs/performance.md §11).
+PADDED_MIN_MEAN_LENGTH = 2048
 
 
 def padded_length(n: int) -> int:
