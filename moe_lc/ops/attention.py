@@ -117,6 +117,8 @@ BACKENDS = ("auto", "torch", "padded", "flex", "varlen")
 # What "auto" tries on CUDA, fastest first (measured on an H200: the module docstring says why).
 CUDA_ORDER_DOCUMENTS = ("padded", "varlen", "flex", "torch")
 CUDA_ORDER_NO_DOCUMENTS = ("torch", "varlen", "flex")
+# the backends that run the per-document SDPA loop over host boundaries (no device-side mask)
+_LOOP_BACKENDS = ("torch", "padded")
 
 _FLEX_CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _VARLEN_DTYPES = (torch.float16, torch.bfloat16)
@@ -218,7 +220,7 @@ class DocumentMask:
     @property
     def device(self) -> Optional[torch.device]:
         """Where the mask lives; None for a "torch" or "padded" mask (host boundaries only)."""
-        if self.backend in ("torch", "padded"):
+        if self.backend in _LOOP_BACKENDS:
             return None
         if self.block_mask is not None:
             return self.block_mask.kv_num_blocks.device
@@ -229,7 +231,7 @@ class DocumentMask:
 def backend_unavailable_reason(backend: str, device: torch.device) -> Optional[str]:
     """Why ``backend`` cannot run on ``device`` with this torch build, or None when it can."""
     device = torch.device(device)
-    if backend in ("torch", "padded"):
+    if backend in _LOOP_BACKENDS:
         return None
     if backend == "flex":
         if _flex_api() is None:
@@ -408,7 +410,7 @@ def document_mask(
             raise ValueError(f"attention: query_ranges are positions in one packed row, got batch size {batch}")
         return _pieces_mask(seq_len, cu_seqlens, bounds, query_ranges, device, backend)
     name = resolve_backend(backend, device, has_documents, mean_document_length=_mean_length(bounds))
-    if name in ("torch", "padded"):
+    if name in _LOOP_BACKENDS:
         if has_documents and bounds is None:
             bounds = _check_bounds(_read_bounds(cu_seqlens), seq_len)
         return DocumentMask(name, seq_len, batch, has_documents, bounds=bounds, cu_seqlens=cu_seqlens)
@@ -441,7 +443,7 @@ def _pieces_mask(seq_len: int, cu_seqlens: Optional[Tensor], bounds: Optional[tu
     # the documents' order: plain causal SDPA cannot offset queries, and "padded" pads whole documents
     name = resolve_backend(backend, device, True)
     common = dict(has_documents=has_documents, bounds=bounds, queries=pieces)
-    if name in ("torch", "padded"):  # query pieces run the loop's pieces path either way
+    if name in _LOOP_BACKENDS:  # query pieces run the loop's pieces path either way
         return DocumentMask(name, seq_len, 1, cu_seqlens=cu_seqlens, **common)
     if name == "flex":
         if has_documents and cu_seqlens is None:

@@ -35,9 +35,10 @@ def clip_grad_norm(
     norms are summed, and summed again over ``stage_group`` (the ranks of a pipeline, which hold
     different parameters; every rank of it must call). ``uncounted``: parameters whose gradients are
     scaled but not counted, being copies of a parameter counted on another rank (the last pipeline
-    stage's embedding). max_norm <= 0 or inf only measures, and so does ``scale_grads=False``, for an
-    optimizer that divides the gradients by ``clip_divisor`` as it reads them. Returns a scalar tensor in at least fp32
-    (fp64 for fp64 gradients, so that float64 runs clip as exactly as they compute).
+    stage's embedding). max_norm <= 0 or inf only measures (``clips``), and so does
+    ``scale_grads=False``, for an optimizer that divides the gradients by ``clip_divisor`` as it
+    reads them. Returns a scalar tensor in at least fp32 (fp64 for fp64 gradients, so that float64
+    runs clip as exactly as they compute).
     """
     params = list(params)
     skip = {id(p) for p in uncounted}
@@ -67,7 +68,7 @@ def clip_grad_norm(
     if stage_group is not None:
         dist.all_reduce(total_sq, group=stage_group)
     total = total_sq.sqrt()
-    if scale_grads and 0 < max_norm < math.inf:
+    if scale_grads and clips(max_norm):
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         # every shard scales by the same global factor; local tensors keep DTensor dispatch out of the way
         same_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -83,9 +84,15 @@ def clip_grad_norm(
     return total
 
 
+def clips(max_norm: float) -> bool:
+    """Whether ``max_norm`` clips at all (0 or inf: the norm is only measured)."""
+    return 0 < max_norm < math.inf
+
+
 def clip_divisor(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """What dividing the gradients by clips them as ``clip_grad_norm`` scales them: the reciprocal of
     its factor, max(1, (norm + 1e-6) / max_norm). torch's fused Adam/AdamW divide every gradient by
-    their ``grad_scale`` input as they read it, which saves the separate pass over all gradients
-    (on one H200, 9.5 ms of a k3-small step's 49 ms optimizer region)."""
+    their ``grad_scale`` input as they read it, in place of the separate pass over all gradients
+    (on one H200 that pass took 1.07 ms per 0.47B parameters and the division added 0.63 ms to
+    the update: ~4 ms saved of a k3-small step)."""
     return ((total_norm + 1e-6) / max_norm).clamp(min=1.0)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -49,7 +48,7 @@ from moe_lc.model.accounting import causal_keys_per_token
 from moe_lc.model.moe import reuse_weight_casts
 from moe_lc.ops.documents import DocumentBounds, upload
 from moe_lc.optim import OptimConfig, apply_lr
-from moe_lc.optim.clip import clip_divisor
+from moe_lc.optim.clip import clip_divisor, clips
 from moe_lc.model.transformer import IGNORE_INDEX, mtp_labels
 from moe_lc.parallel import data_parallel_group
 from moe_lc.parallel.activation_checkpointing import CheckpointMode
@@ -226,7 +225,7 @@ def train_step(
     update = Interval(device)
     with region("optimizer"):
         # torch's fused AdamW clips as it reads the gradients (one pass over them fewer)
-        fold_clip = skips_on_device(optimizer) and 0 < optim_cfg.grad_clip < math.inf
+        fold_clip = skips_on_device(optimizer) and clips(optim_cfg.grad_clip)
         grad_norm = state.clip_grad_norm(optim_cfg.grad_clip, scale_grads=not fold_clip)
         finite = _on_every_rank(torch.isfinite(grad_norm.to(device)) & torch.isfinite(sums).all(), runtime)
         lr = apply_lr(optimizer, step, total_steps, optim_cfg)
