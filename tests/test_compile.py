@@ -38,8 +38,9 @@ def _exactly(model: nn.Module, class_name: str) -> set[str]:
 def test_the_targets_are_every_norm_and_every_depth_mixer():
     model = build_model(tiny(mtp=True), device="cpu", seed=0)
     norms, mixers = compile_targets(model, ["norms"]), compile_targets(model, ["attn_res"])
-    # every plain RMSNorm (the mixers' own norms are a subclass whose forward is the whole mixture)
-    assert set(norms) == _exactly(model, "RMSNorm") and len(norms) == len(set(norms))
+    # every plain and gated RMSNorm (the mixers' own norms are a subclass whose forward is the whole mixture)
+    assert set(norms) == _exactly(model, "RMSNorm") | _exactly(model, "GatedRMSNorm") and len(norms) == len(set(norms))
+    assert "layers.0.attn.o_norm" in norms  # KDA's gated output norm, gate and norm in one compiled graph
     assert set(mixers) == _exactly(model, "DepthMixer")
     assert "out_mixer" in mixers and "layers.0.attn_norm" in norms and "mtp.proj" not in norms
     assert compile_targets(model, ["float8"]) == []  # no float8 linears without precision=fp8

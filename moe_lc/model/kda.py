@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from moe_lc.config import KDAConfig
-from moe_lc.model.norm import RMSNorm
+from moe_lc.model.norm import GatedRMSNorm
 from moe_lc.model.short_conv import ShortConv
 from moe_lc.ops.documents import DocumentBounds
 from moe_lc.ops.grouped_experts import autocast_operands
@@ -47,7 +47,7 @@ class KDAttention(nn.Module):
         else:
             r = cfg.output_gate_rank or K
             self.gate_proj = nn.Sequential(nn.Linear(d_model, r, bias=False), nn.Linear(r, inner, bias=False))
-        self.o_norm = RMSNorm(K, norm_eps)
+        self.o_norm = GatedRMSNorm(K, norm_eps)  # sigmoid(W_g x) * RMSNorm_head(o)
         self.o_proj = nn.Linear(inner, d_model, bias=False)
         # what the recurrence keeps for backward: set from outside by the activation checkpointing
         # policy (``kda_states``), as a memory trade, not part of the model's math
@@ -83,9 +83,9 @@ class KDAttention(nn.Module):
         (q, k, v), (beta_logits, decay_low, gate_low) = self.projections(x, docs)
         q, k, v = (t.view(B, T, -1, K) for t in (q, k, v))
         z = self.decay_up(decay_low).view(B, T, -1, K)
-        o = self.o_norm(self.recurrence(q, k, v, z, beta_logits, docs))
-        gate = torch.sigmoid(self.gate_proj[1](gate_low) if len(self.gate_proj) > 1 else gate_low).view(B, T, -1, K)
-        return self.o_proj((gate * o.to(gate.dtype)).reshape(B, T, -1))
+        gate_logits = (self.gate_proj[1](gate_low) if len(self.gate_proj) > 1 else gate_low).view(B, T, -1, K)
+        o = self.o_norm(self.recurrence(q, k, v, z, beta_logits, docs), gate_logits)
+        return self.o_proj(o.reshape(B, T, -1))
 
     def projections(
         self, x: torch.Tensor, docs: Optional[DocumentBounds]

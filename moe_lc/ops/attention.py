@@ -479,24 +479,32 @@ def _torch_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bounds: Opti
     if bounds is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     # split, not one slice per document: its backward writes the gradient pieces into one tensor,
-    # where every slice's backward would fill a whole-row tensor of zeros.
+    # where every slice's backward would fill a whole-row tensor of zeros. Split, padded and joined
+    # in [B, T, H, D] order: MLA hands q, k, v over as transposed views of that memory, cuDNN takes
+    # it as it is and returns its output in q's order, and the buffers autograd makes for the pieces
+    # (the split's joined gradient, a cut output's zero-padded gradient) come out in that order too,
+    # so nothing is transposed by a copy on the way in or out.
     lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    rows = [x.transpose(1, 2) for x in (q, k, v)]
+    pieces = zip(*(x.split(lengths, 1) for x in rows)) if len(lengths) > 1 else [rows]
     outs = [
-        _causal_sdpa(qd, kd, vd, scale, padded_length(qd.shape[2]) if padded else qd.shape[2])
-        for qd, kd, vd in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))
-        if qd.shape[2] > 0
+        _causal_sdpa(qd, kd, vd, scale, padded_length(qd.shape[1]) if padded else qd.shape[1])
+        for qd, kd, vd in pieces
+        if qd.shape[1] > 0
     ]
-    return torch.cat(outs, dim=2)
+    return (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]).transpose(1, 2)
 
 
 def _causal_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, length: int) -> Tensor:
-    """Causal SDPA of one document run at ``length`` >= its own: zero rows appended to q, k, v come
-    after every real token, so causality hides them from the real queries; their outputs are cut."""
-    n = q.shape[2]
-    if length == n:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    q, k, v = (F.pad(x, (0, 0, 0, length - n)) for x in (q, k, v))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[:, :, :n]
+    """Causal SDPA of one document, q, k, v and the result [B, n, H, D], run at ``length`` >= n: zero
+    rows appended to q, k, v come after every real token, so causality hides them from the real
+    queries; their outputs are cut."""
+    n = q.shape[1]
+    if length != n:
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, length - n)) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                         scale=scale).transpose(1, 2)
+    return out if length == n else out[:, :n]
 
 
 def _torch_pieces(q: Tensor, k: Tensor, v: Tensor, scale: float, queries: QueryPieces) -> Tensor:
