@@ -13,6 +13,8 @@ public entry point: it checks the inputs and picks these kernels or its PyTorch 
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch
 from torch import Tensor
 
@@ -58,9 +60,33 @@ def _row_bytes(D: int, tensors) -> int:
     return D * sum(t.element_size() for t in tensors)
 
 
+class GradientSum:
+    """One source's gradient summed over the depth mixtures that read it, by their backward kernels
+    (each adds its share to the sum as it writes it), where autograd would add every mixture's
+    gradient into the sum in a pass of its own: one read, add and write of [tokens, D] per reader.
+
+    The first mixture to read a source in the forward is the last to run backward: every later
+    reader reads something computed from the first one's output (the residual stream's next
+    partial sum, or a block sum that contains it), so autograd cannot run the first one's backward
+    before theirs. The first reader hands the sum to autograd as the source's gradient; the others
+    add into it and hand autograd nothing for that source. A recompute under activation
+    checkpointing claims nothing new: the backward runs the forward's own nodes.
+    """
+
+    def __init__(self) -> None:
+        self.claimed = False
+        self.total: Optional[Tensor] = None
+
+    def claim(self) -> bool:
+        """True for the source's first reader (the one that hands the sum to autograd)."""
+        first = not self.claimed
+        self.claimed = True
+        return first
+
+
 class _DepthMixtureFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query: Tensor, norm_weight: Tensor, eps: float, *sources: Tensor) -> Tensor:
+    def forward(ctx, query: Tensor, norm_weight: Tensor, eps: float, sums: Optional[tuple], *sources: Tensor) -> Tensor:
         from moe_lc_kernels import depth_mixture_triton as kt
 
         shape, D, S = sources[0].shape, sources[0].shape[-1], len(sources)
@@ -77,6 +103,8 @@ class _DepthMixtureFunction(torch.autograd.Function):
             tuple(sources), _folded_query(query, norm_weight), h, a, inv_rms, N, D, eps,
             S=S, ROWS=rows, BLOCK_D=block_d, num_warps=warps)
         ctx.save_for_backward(query, norm_weight, a, inv_rms, *sources)
+        ctx.sums = sums
+        ctx.hands_over = None if sums is None else tuple(total.claim() for total in sums)
         return h
 
     @staticmethod
@@ -87,17 +115,31 @@ class _DepthMixtureFunction(torch.autograd.Function):
         S, N = a.shape
         D = sources[0].shape[-1]
         grad = grad.contiguous()
-        dsources = tuple(torch.empty_like(v) for v in sources)
+        sums = ctx.sums or (None,) * S
+        totals = [None if total is None else total.total for total in sums]
+        dsources = tuple(torch.empty_like(v) if t is None else t for v, t in zip(sources, totals))
+        add_to = sum(1 << i for i, t in enumerate(totals) if t is not None)
         programs, rows, block_d, warps = _launch_shape(N, D, _row_bytes(D, [grad, *sources]), grad.device, "bwd")
         part = torch.zeros(programs, D, device=grad.device, dtype=torch.float32)
         kt.depth_mixture_bwd_kernel[(programs,)](
             tuple(sources), dsources, grad, _folded_query(query, norm_weight), a, inv_rms, part, N, D,
-            S=S, ROWS=rows, BLOCK_D=block_d, num_warps=warps)
+            S=S, ROWS=rows, BLOCK_D=block_d, ADD_TO=add_to, num_warps=warps)
         weighted = part.sum(0)  # sum over tokens and sources of dl_i u_i
         d_query = (weighted * norm_weight.float()).to(query.dtype) if ctx.needs_input_grad[0] else None
         d_norm = (weighted * query.float()).to(norm_weight.dtype) if ctx.needs_input_grad[1] else None
-        grads = [dv if ctx.needs_input_grad[3 + i] else None for i, dv in enumerate(dsources)]
-        return d_query, d_norm, None, *grads
+        grads = []
+        for i, dv in enumerate(dsources):
+            total = sums[i]
+            if not ctx.needs_input_grad[4 + i]:
+                grads.append(None)
+            elif total is None or ctx.hands_over[i]:  # the sum, complete: autograd takes it from here
+                if total is not None:
+                    total.total = None
+                grads.append(dv)
+            else:  # a later reader: its share stays in the sum for the first reader to hand over
+                total.total = dv
+                grads.append(None)
+        return d_query, d_norm, None, None, *grads
 
 
 def _folded_query(query: Tensor, norm_weight: Tensor) -> Tensor:
@@ -105,8 +147,13 @@ def _folded_query(query: Tensor, norm_weight: Tensor) -> Tensor:
     return (norm_weight.float() * query.float()).contiguous()
 
 
-def depth_mixture_triton(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: float) -> Tensor:
+def depth_mixture_triton(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: float,
+                         sums: Optional[Sequence[GradientSum]] = None) -> Tensor:
     """sum_i a_i v_i, a = softmax_i(query . (norm_weight * v_i / rms(v_i))), over the last dim.
+
+    ``sums``: one :class:`GradientSum` per source, shared by every mixture that reads that source
+    (the residual stream keeps them), so that the backward kernels sum each source's gradient
+    themselves; None: every mixture returns its own share to autograd.
 
     Sources of one shape [..., D] and device, each fp32/bf16/fp16 (they may differ); output in
     their promoted dtype, each source's gradient in its own dtype; fp32 math. Differentiable in
@@ -128,4 +175,7 @@ def depth_mixture_triton(sources: list[Tensor], query: Tensor, norm_weight: Tens
     if first.numel() == 0:  # nothing to launch: an empty mixture that autograd connects to every input
         return sum(v * (query * norm_weight).sum() for v in sources)
     # contiguous() copies only a source whose rows are not dense [N, D] (the residual stream's always are)
-    return _DepthMixtureFunction.apply(query, norm_weight, float(eps), *(v.contiguous() for v in sources))
+    if sums is not None and len(sums) != len(sources):
+        raise ValueError(f"depth_mixture_triton: {len(sums)} gradient sums for {len(sources)} sources; pass one per source")
+    return _DepthMixtureFunction.apply(query, norm_weight, float(eps), None if sums is None else tuple(sums),
+                                       *(v.contiguous() for v in sources))

@@ -126,8 +126,9 @@ def depth_mixture_fwd_kernel(srcs, w, h, a_out, r_out, N, D, eps, S: tl.constexp
 
 @triton.jit
 def depth_mixture_bwd_kernel(srcs, dsrcs, grad, w, a_in, r_in, part, N, D, S: tl.constexpr, ROWS: tl.constexpr,
-                             BLOCK_D: tl.constexpr):
-    """dv_i = a_i grad + r_i dl_i (w - u_i logit_i / D) in v_i's dtype, u_i = r_i v_i, and this
+                             BLOCK_D: tl.constexpr, ADD_TO: tl.constexpr):
+    """dv_i = a_i grad + r_i dl_i (w - u_i logit_i / D) in v_i's dtype, u_i = r_i v_i, added to what
+    ``dsrcs[i]`` holds where bit i of ``ADD_TO`` is set (one rounding: the sum is taken in fp32), and this
     program's share of sum over tokens and sources of dl_i u_i into its row of ``part`` (fp32
     [programs, D], zeroed by the caller), where dl_i = a_i (da_i - sum_j a_j da_j), da_i = grad . v_i.
 
@@ -164,6 +165,8 @@ def depth_mixture_bwd_kernel(srcs, dsrcs, grad, w, a_in, r_in, part, N, D, S: tl
             for i in tl.static_range(S):
                 v = _load_tile(srcs[i], base, cols, mask)
                 dv = a[i][:, None] * g + w_coef[i][:, None] * wt - v_coef[i][:, None] * v
+                if (ADD_TO >> i) & 1:
+                    dv += _load_tile(dsrcs[i], base, cols, mask)
                 tl.store(dsrcs[i] + base[:, None] + cols[None, :], dv.to(dsrcs[i].dtype.element_ty), mask=mask)
                 weighted += w_coef[i][:, None] * v
             total = tl.load(part_row + cols, mask=col_in, other=0.0) + tl.sum(weighted, axis=0)

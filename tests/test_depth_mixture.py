@@ -45,7 +45,8 @@ pytest.importorskip("triton")
 import moe_lc.model.attn_res as attn_res_module  # noqa: E402
 import moe_lc_kernels.depth_mixture as kernel_module  # noqa: E402
 from moe_lc.model.attn_res import DepthMixer  # noqa: E402
-from moe_lc.ops.depth_mixture import depth_mixture, resolve_backend, triton_unsupported_reason  # noqa: E402
+from moe_lc.model.attn_res import ResidualStream  # noqa: E402
+from moe_lc.ops.depth_mixture import GradientSum, depth_mixture, resolve_backend, triton_unsupported_reason  # noqa: E402
 from moe_lc_kernels import triton_available  # noqa: E402
 from moe_lc_kernels.depth_mixture import MAX_SOURCES  # noqa: E402
 
@@ -232,9 +233,9 @@ def test_the_depth_mixer_goes_through_the_dispatch(monkeypatch, small_blocks):
     """DepthMixer calls ``depth_mixture`` with its backend; through either one it matches float64."""
     calls = []
 
-    def spy(sources, query, norm_weight, eps, backend="auto"):
+    def spy(sources, query, norm_weight, eps, backend="auto", sums=None):
         calls.append(backend)
-        return depth_mixture(sources, query, norm_weight, eps, backend)
+        return depth_mixture(sources, query, norm_weight, eps, backend, sums)
 
     monkeypatch.setattr(attn_res_module, "depth_mixture", spy)
     for backend in ("torch", "triton"):
@@ -259,3 +260,99 @@ def test_a_compiled_depth_mixer_runs_the_kernels_eagerly(small_blocks):
     mixer.compile()
     compiled = mixer(sources)
     assert torch.equal(compiled, eager)
+
+
+def _three_readers(with_sums: bool) -> dict:
+    """Three mixtures read e and b (as every sublayer's mixer reads the embedding and the block sums),
+    each later one also the running sum of the earlier ones' tanh outputs (as the stream's partial
+    sum): so each later mixture reads something computed from every earlier one's output. e and b
+    reach each mixture through a view of its own, whose retained .grad is what that reader handed
+    to autograd."""
+    gen = torch.Generator().manual_seed(3)
+    e = torch.randn(B, T, D, generator=gen).to(DEVICE).requires_grad_()
+    b = (2 * torch.randn(B, T, D, generator=gen)).to(DEVICE).requires_grad_()
+    queries = [(0.3 * torch.randn(D, generator=gen)).to(DEVICE).requires_grad_() for _ in range(3)]
+    gain = (1 + 0.3 * torch.randn(D, generator=gen)).to(DEVICE)
+    G = torch.randn(B, T, D, generator=gen).to(DEVICE)
+    sums = [GradientSum(), GradientSum()] if with_sums else None
+    views, partial = [], None
+    for q in queries:
+        ev, bv = e.view_as(e), b.view_as(b)
+        ev.retain_grad(), bv.retain_grad()
+        views.append((ev, bv))
+        sources = [ev, bv] + ([partial] if partial is not None else [])
+        reader_sums = None if sums is None else (sums + [GradientSum()])[: len(sources)]
+        h = depth_mixture(sources, q, gain, EPS, backend="triton", sums=reader_sums)
+        partial = torch.tanh(h) if partial is None else partial + torch.tanh(h)
+    (partial * G).sum().backward()
+    return dict(e=e, b=b, queries=queries, views=views, sums=sums)
+
+
+def test_gradient_sums_hand_each_source_its_whole_gradient_from_its_first_reader(small_blocks):
+    """With one GradientSum per source shared by its readers, the kernels sum the source's gradient
+    (the later readers add into it and hand autograd nothing; the first reader, whose backward runs
+    last, hands over the sum): each source's gradient is autograd's sum of every reader's share
+    (the same fp32 additions in another place: 2 roundings of the shares' magnitudes)."""
+    plain, summed = _three_readers(False), _three_readers(True)
+    for j, ((pe, pb), (se, sb)) in enumerate(zip(plain["views"], summed["views"])):
+        assert pe.grad is not None and pb.grad is not None  # without sums every reader hands its share over
+        if j > 0:
+            assert se.grad is None and sb.grad is None, f"reader {j} handed autograd its share"
+    for name in ("e", "b"):
+        shares = torch.stack([getattr(v, "grad") for v in (pair[0 if name == "e" else 1] for pair in plain["views"])])
+        magnitude = shares.abs().sum(0)
+        got, want = summed[name].grad, plain[name].grad
+        assert torch.equal(summed["views"][0][0 if name == "e" else 1].grad, got)  # the first reader's hand-over
+        assert (got - want).abs().le(2 * 3 * EPS32 * magnitude + torch.finfo(F32).tiny).all(), name
+    for qp, qs in zip(plain["queries"], summed["queries"]):
+        assert torch.allclose(qs.grad, qp.grad, rtol=1e-5, atol=1e-6)  # the same kernels on the same values
+    assert all(total.claimed and total.total is None for total in summed["sums"])  # nothing left behind
+
+
+def test_the_stream_keeps_one_gradient_sum_per_source_and_a_new_one_per_new_tensor():
+    x = [torch.zeros(1, 2, D) for _ in range(4)]
+    stream = ResidualStream.start("block", x[0])
+    assert len(stream.sums) == 1
+    first = stream.sums[0]
+    stream = stream.plus(x[1])
+    assert stream.sums[0] is first and len(stream.sums) == 2  # the embedding's, and the partial sum's
+    partial_sum = stream.sums[1]
+    stream = stream.plus(x[2])
+    assert stream.sums[0] is first and stream.sums[1] is not partial_sum  # partial + f: a new tensor
+    closed = stream.end_layer(0, block_size=1)
+    assert closed.sources[1] is stream.partial and closed.sums == stream.sums  # the block sum keeps its own
+    assert len(closed.plus(x[3]).sums) == 3
+    full = ResidualStream.start("full", x[0]).plus(x[1])
+    assert len(full.sums) == 2 and ResidualStream.start("none", x[0]).sums == ()
+
+
+@pytest.mark.parametrize("mode", ["none", "full", "selective"])
+def test_the_model_with_shared_gradient_sums_has_the_reference_gradients(mode):
+    """The tiny model (block AttnRes, blocks of 2 layers: the embedding and the first block sum have
+    several readers each) on the fused mixtures, whose backward sums each source's gradient in its
+    kernels, against the same model on the reference mixtures, under each checkpointing policy
+    (the recompute runs the mixtures again). Both in fp32: the mixtures round in other orders, by
+    about (d + S + 16) eps32 ~ 1e-5 of each gradient's magnitude; the bound leaves a factor 10,
+    where a source that lost a reader's share is off by the share itself."""
+    from moe_lc.model.init import build_model
+    from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
+    from moe_lc.presets import get_preset
+
+    def grads(backend: str) -> tuple[torch.Tensor, dict]:
+        cfg = get_preset("tiny")
+        cfg.attn_res.backend, cfg.kda.backend = backend, "torch"
+        model = build_model(cfg.validate(), DEVICE, seed=0)
+        apply_activation_checkpointing(model, ActivationCheckpointing(mode))
+        model.train()
+        gen = torch.Generator().manual_seed(1)
+        ids, labels = (torch.randint(0, cfg.vocab_size, (1, 16), generator=gen).to(DEVICE) for _ in range(2))
+        loss = model(ids, labels=labels, return_logits=False).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    (fused_loss, fused), (ref_loss, ref) = grads("triton"), grads("torch")
+    assert torch.allclose(fused_loss, ref_loss, rtol=1e-5)
+    assert fused.keys() == ref.keys()
+    for name, want in ref.items():
+        bound = 1e-4 * want.abs().max().item() + torch.finfo(F32).tiny
+        assert (fused[name] - want).abs().max().item() <= bound, name

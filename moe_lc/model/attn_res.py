@@ -8,19 +8,23 @@ partial sum. With w_j = 0 (the initialisation) the mixture is the uniform mean.
 `ResidualStream` keeps the sources explicitly so that pipeline stages can send exactly
 what the next stage lacks. It is immutable: adding a sublayer's output returns a new stream
 (the tensors are shared, never copied), so a layer is a pure function of the stream it is
-given, which activation checkpointing needs (a recomputed layer sees the same inputs).
+given, which activation checkpointing needs (a recomputed layer sees the same inputs). Beside
+each source it keeps the source's ``GradientSum``, handed to every mixture that reads the source,
+so that the fused backward kernels sum the source's gradient over its readers (the embedding and
+each block sum are read by every later sublayer's mixer) instead of autograd adding each
+reader's share in a pass of its own; the sums carry no value in the forward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
 from moe_lc.model.norm import RMSNorm
-from moe_lc.ops.depth_mixture import depth_mixture
+from moe_lc.ops.depth_mixture import GradientSum, depth_mixture
 
 
 class _MixerNorm(RMSNorm):
@@ -33,8 +37,9 @@ class _MixerNorm(RMSNorm):
         super().__init__(dim, eps)
         self.backend = backend
 
-    def forward(self, sources: list[Tensor], query: Tensor) -> Tensor:  # type: ignore[override]
-        return depth_mixture(sources, query, self.weight, self.eps, self.backend)
+    def forward(self, sources: list[Tensor], query: Tensor,  # type: ignore[override]
+                sums: Optional[list[GradientSum]] = None) -> Tensor:
+        return depth_mixture(sources, query, self.weight, self.eps, self.backend, sums)
 
 
 class DepthMixer(nn.Module):
@@ -51,11 +56,12 @@ class DepthMixer(nn.Module):
         nn.init.zeros_(self.query)
         self.norm.reset_parameters()
 
-    def forward(self, sources: list[Tensor]) -> Tensor:
+    def forward(self, sources: list[Tensor], sums: Optional[list[GradientSum]] = None) -> Tensor:
+        """The mixture; ``sums``: the sources' gradient sums (``ResidualStream.sums``), or None."""
         if len(sources) == 1:
             # softmax over one source is exactly 1; skip the work (no gradient to w either way)
             return sources[0]
-        return self.norm(sources, self.query)
+        return self.norm(sources, self.query, sums)
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,13 @@ class ResidualStream:
     mode: str
     sources: tuple[Tensor, ...] = ()
     partial: Optional[Tensor] = None
+    # one per tensor of all_sources(), made where missing (mode "none" has none)
+    sums: tuple[GradientSum, ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        missing = 0 if self.mode == "none" else len(self.all_sources()) - len(self.sums)
+        if missing > 0:
+            object.__setattr__(self, "sums", (*self.sums, *(GradientSum() for _ in range(missing))))
 
     @classmethod
     def start(cls, mode: str, embedding: Tensor) -> "ResidualStream":
@@ -87,18 +100,22 @@ class ResidualStream:
             if len(sources) != 1:
                 raise RuntimeError(f"a sublayer without a depth mixer got {len(sources)} sources; expected 1")
             return sources[0]
-        return mixer(sources)
+        return mixer(sources, list(self.sums))
 
     def plus(self, f: Tensor) -> "ResidualStream":
         """The stream after a sublayer's output f: a new source (full), else added to the partial sum."""
         if self.mode == "full":
-            return ResidualStream(self.mode, (*self.sources, f), self.partial)
-        return ResidualStream(self.mode, self.sources, f if self.partial is None else self.partial + f)
+            return ResidualStream(self.mode, (*self.sources, f), self.partial, self.sums)
+        if self.mode == "none":
+            return ResidualStream(self.mode, self.sources, f if self.partial is None else self.partial + f)
+        # a new partial sum: a new tensor, so a new gradient sum (made by __post_init__)
+        return ResidualStream(self.mode, self.sources, f if self.partial is None else self.partial + f,
+                              self.sums[: len(self.sources)])
 
     def end_layer(self, layer_idx: int, block_size: int) -> "ResidualStream":
         """The stream after decoder layer `layer_idx` (0-based): its block closed when it completes one."""
         if self.mode == "block" and (layer_idx + 1) % block_size == 0 and self.partial is not None:
-            return ResidualStream(self.mode, (*self.sources, self.partial), None)
+            return ResidualStream(self.mode, (*self.sources, self.partial), None, self.sums)
         return self
 
     def final(self, mixer: Optional[DepthMixer]) -> Tensor:

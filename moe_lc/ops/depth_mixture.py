@@ -12,16 +12,16 @@ float64 model runs); ``depth_mixture`` picks it or the fused Triton kernels
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from moe_lc.ops.backend_choice import choose_backend
 from moe_lc_kernels import triton_available
-from moe_lc_kernels.depth_mixture import MAX_SOURCES, depth_mixture_triton
+from moe_lc_kernels.depth_mixture import MAX_SOURCES, GradientSum, depth_mixture_triton
 
-__all__ = ["depth_mixture_reference", "depth_mixture", "resolve_backend", "triton_unsupported_reason"]
+__all__ = ["depth_mixture_reference", "depth_mixture", "resolve_backend", "triton_unsupported_reason", "GradientSum"]
 
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -127,13 +127,16 @@ _depth_mixture_fused = torch.compiler.disable(depth_mixture_triton)
 
 
 def depth_mixture(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: float,
-                  backend: str = "auto") -> Tensor:
+                  backend: str = "auto", sums: Optional[Sequence[GradientSum]] = None) -> Tensor:
     """sum_i a_i v_i over ``sources`` (at least one, [..., d] each), differentiable in all inputs.
 
     Backends: "torch" (the reference), "triton" (fused kernels: fp32/bf16/fp16 sources of one
     shape, possibly of different dtypes, with a contiguous last dim; at most MAX_SOURCES), "auto"
     (triton for such CUDA inputs when installed, torch otherwise, float64 included).
+    ``sums``: one :class:`GradientSum` per source, shared by all the mixtures that read it, where the
+    Triton backward sums the source's gradient in its kernels (the reference leaves it to autograd);
+    the gradients autograd sees in the end are the same either way.
     """
     if resolve_backend(sources, query, norm_weight, backend) == "torch":
         return depth_mixture_reference(sources, query, norm_weight, eps)
-    return _depth_mixture_fused(sources, query, norm_weight, eps)
+    return _depth_mixture_fused(sources, query, norm_weight, eps, sums)

@@ -41,6 +41,8 @@ GROUPED = "moe_lc/ops/grouped_experts.py"
 SITU_KERNEL = "kernels/situ_glu_triton.py"
 CONV_KERNEL = "kernels/short_conv_triton.py"
 ACCUMULATE_KERNEL = "kernels/accumulate_triton.py"
+MIXTURE_KERNELS = "kernels/depth_mixture.py"
+MIXTURE_KERNEL = "kernels/depth_mixture_triton.py"
 ATTENTION = "moe_lc/ops/attention.py"
 FUSED_LOSS = "moe_lc/ops/linear_cross_entropy.py"
 
@@ -158,6 +160,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("mla-gate-sigmoid-dropped", MLA, "o = torch.sigmoid(self.gate_proj(x)) * o",
            "o = self.gate_proj(x) * o", "MLA output gate without sigmoid"),
     # -- Attention Residuals
+    Mutant("attnres-gradient-sum-never-handed-over", MIXTURE_KERNELS, "elif total is None or ctx.hands_over[i]:",
+           "elif total is None:", "the first reader keeps the summed gradient of its source instead of handing it over"),
+    Mutant("attnres-gradient-sum-not-added", MIXTURE_KERNEL, "if (ADD_TO >> i) & 1:", "if (ADD_TO >> i) & 0:",
+           "a reader overwrites the gradient sum of its source instead of adding its share"),
+    Mutant("attnres-gradient-sum-every-reader-first", MIXTURE_KERNELS, "first = not self.claimed", "first = True",
+           "every reader hands over what the sum holds so far"),
     Mutant("attnres-block-off-by-one", RES, "(layer_idx + 1) % block_size == 0", "layer_idx % block_size == 0",
            "blocks close one layer early"),
     Mutant("attnres-query-sign", MIXTURE, "logits.append((u * g * q).sum(-1))", "logits.append((u * g * -q).sum(-1))",
