@@ -127,7 +127,9 @@ def test_model_fused_loss_equals_the_checkpointed_chunks_in_float64(mtp):
         assert rel(grads[name], want_grads[name]) < FLOAT64_RTOL, name
 
 
-def test_bf16_autocast_loss_and_gradients_are_within_bf16_precision_of_the_formula():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (the GEMM that adds into an fp32 dW)"))])
+def test_bf16_autocast_loss_and_gradients_are_within_bf16_precision_of_the_formula(device):
     """fp32 h and W under CPU bf16 autocast against the float64 formula: the GEMMs take h and W rounded to
     bf16 (2^-9 relative), the logits and their gradients are rounded again, the cross-entropy is fp32; a
     few dozen such roundings in quadrature stay within docs/testing.md's 1e-2 for bf16 against a
@@ -142,11 +144,12 @@ def test_bf16_autocast_loss_and_gradients_are_within_bf16_precision_of_the_formu
     h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
     want = formula_loss(h64, w64, labels, VOCAB)
     want_h, want_w = torch.autograd.grad(want, (h64, w64))
-    h32, w32 = h.requires_grad_(), w.requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = linear_cross_entropy(h32, w32, labels, VOCAB, chunk_tokens=64, backend="torch")
+    h32, w32 = h.to(device).requires_grad_(), w.to(device).requires_grad_()
+    with torch.autocast(device, dtype=torch.bfloat16):
+        got = linear_cross_entropy(h32, w32, labels.to(device), VOCAB, chunk_tokens=64, backend="torch")
     got_h, got_w = torch.autograd.grad(got, (h32, w32))
     assert got.dtype == got_h.dtype == got_w.dtype == torch.float32
+    got, got_h, got_w = got.cpu(), got_h.cpu(), got_w.cpu()
     assert rel(got, want) < BF16_RTOL and rel(got_h, want_h) < BF16_RTOL and rel(got_w, want_w) < BF16_RTOL
     assert torch.equal(got_w[VOCAB:], torch.zeros_like(got_w[VOCAB:]))
 
