@@ -106,9 +106,7 @@ class ResidualStream:
         """The stream after a sublayer's output f: a new source (full), else added to the partial sum."""
         if self.mode == "full":
             return ResidualStream(self.mode, (*self.sources, f), self.partial, self.sums)
-        if self.mode == "none":
-            return ResidualStream(self.mode, self.sources, f if self.partial is None else self.partial + f)
-        # a new partial sum: a new tensor, so a new gradient sum (made by __post_init__)
+        # a new partial sum: a new tensor, so a new gradient sum (made by __post_init__; none in mode "none")
         return ResidualStream(self.mode, self.sources, f if self.partial is None else self.partial + f,
                               self.sums[: len(self.sources)])
 
