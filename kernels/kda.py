@@ -65,13 +65,14 @@ CHUNK = 64
 # 3.92e-3 with all fp32). bf16 state gradients ("dh") double d A_log's error (7.5e-3 on one H200
 # fuzz case), "bf16" (all four) 8.0e-3: too close to 1e-2.
 # Kernels by prefix: ``norm`` row norms, ``prep`` elementwise prep, ``score`` forward tile-pair
-# scores, ``state`` the state passes (``state_bwd_bv``: the backward pass's value block), ``vside``
+# scores, ``state`` the state passes (``state_bv`` / ``state_bwd_bv``: the forward / backward pass's
+# value block, 0: ``state_value_block`` picks it from the shape), ``vside``
 # the value-side backward (``vside_bk``: key block per program), ``kside`` / ``ktile`` / ``kgate`` the
 # key-side backward's chunk, tile and gate kernels; ``*_stages``: software pipelining of a loop's
 # loads (``ktile_stages=3``: 10.99 -> 10.44 ms at B=8,T=4K).
 TUNING = dict(save_prep="inverse", norm_warps=4, norm_bk=32, prep_warps=4, prep_bk=32, prep_maxnreg=0,
-              score_warps=1, score_bk=64, inv_warps=2, wu_warps=4, state_warps=4, state_stages=1, state_bv=64,
-              state_bwd_bv=64, bwd_states="states+delta+ddelta", state_prec="bf16x2", bwd_prec="tf32", score_prec="tf32",
+              score_warps=1, score_bk=64, inv_warps=2, wu_warps=4, state_warps=4, state_stages=1, state_bv=0,
+              state_bwd_bv=0, bwd_states="states+delta+ddelta", state_prec="bf16x2", bwd_prec="tf32", score_prec="tf32",
               vside_warps=4, vside_bk=64, vside_bv=64, vside_maxnreg=0, kside_warps=4, kside_bk=16, kside_stages=1,
               ktile_warps=4, ktile_bk=64, ktile_maxnreg=168, ktile_stages=3, kgate_warps=4, kgate_bk=32)
 _PRECISIONS = ("tf32", "tf32x3", "ieee")
@@ -228,12 +229,30 @@ class _Flags:
     keep_states: bool = False
 
 
-def _config(q: Tensor, v: Tensor) -> dict:
+def state_value_block(num_seqs: int, heads: int, value_dim: int, sms: int) -> int:
+    """The state passes' value block when TUNING leaves it automatic (0).
+
+    A serial pass runs one program per (sequence, head, value block). 64 wide when that fills the
+    multiprocessors; else 16 wide when that does (4x the programs: at k3-small's two 8K rows
+    per micro-batch, 2-4 sequences of 16 heads, f+b 4.44 -> 4.36 ms a layer on an H200 against 64
+    with segments, docs/performance.md §4.9); else 64 and the segmented passes (§4.4) supply the
+    parallelism (one long sequence).
+    """
+    for bv in (64, 16):
+        if num_seqs * heads * max(1, value_dim // bv) >= sms:
+            return bv
+    return 64
+
+
+def _config(q: Tensor, v: Tensor, num_seqs: int) -> dict:
     inter = torch.float32 if q.dtype == torch.float32 else torch.bfloat16
     exact = inter == torch.float32
+    heads, width = q.shape[-2], min(q.shape[-1], v.shape[-1])
+    auto = None
+    if not (TUNING["state_bv"] and TUNING["state_bwd_bv"]):
+        auto = state_value_block(num_seqs, heads, v.shape[-1], _num_sms(q.device))
     return dict(inter=inter, dot="ieee" if exact else "tf32",
-                BV=min(TUNING["state_bv"], q.shape[-1], v.shape[-1]),
-                BV_BWD=min(TUNING["state_bwd_bv"], q.shape[-1], v.shape[-1]))
+                BV=min(TUNING["state_bv"] or auto, width), BV_BWD=min(TUNING["state_bwd_bv"] or auto, width))
 
 
 def _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan: _Plan, flags: _Flags, cfg: dict,
@@ -439,7 +458,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, gz, beta, A_log, dt_bias, initial_state, plan: _Plan, flags: _Flags):
         from moe_lc_kernels import kda_triton as kt
 
-        cfg = _config(q, v)
+        cfg = _config(q, v, plan.num_seqs)
         prep, gcum, rnorm = _prep(kt, q, k, v, gz, beta, A_log, dt_bias, plan, flags, cfg)
         w, u, qg, kend, aqk, gc, x = prep
         init = None if initial_state is None else initial_state.float().contiguous()
@@ -468,7 +487,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
 
         q, k, v, gz, beta, A_log, dt_bias, seg_init, transitions, rnorm, states, delta, *kept = ctx.saved_tensors
         plan, flags = ctx.plan, ctx.flags
-        cfg = _config(q, v)
+        cfg = _config(q, v, plan.num_seqs)
         total, heads, key_dim = q.shape
         value_dim = v.shape[-1]
         bv = cfg["BV_BWD"]
@@ -574,7 +593,7 @@ def _run(q, k, v, gz, beta, A_log, dt_bias, initial_state, output_final_state, f
         segment_chunks = None
     elif segment_chunks is None:
         segment_chunks = auto_segment_chunks([-(-n // CHUNK) for n in lens], heads,
-                                             value_dim // _config(q, v)["BV"], q.device)
+                                             value_dim // _config(q, v, len(lens))["BV"], q.device)
     plan = cached_plan(lens, q.device, segment_chunks)
     flat = [t.reshape(batch * seq_len, *t.shape[2:]).contiguous() for t in (q, k, v, gz, beta)]
     o, final = _ChunkKDAFunction.apply(*flat, A_log, dt_bias, initial_state, plan, flags)

@@ -91,6 +91,33 @@ def test_fused_matches_float64_with_states(segment_chunks):
     assert_matches(x, h0, out, final, *fused_reference(x, h0, None))
 
 
+def test_state_value_block_fills_the_multiprocessors():
+    """64 wide where the serial pass fills the SMs, else 16 wide where that does, else 64 (segments)."""
+    from moe_lc_kernels.kda import state_value_block
+
+    assert state_value_block(8, 16, 128, 132) == 64  # B=8,T=4K: 256 programs at 64
+    assert state_value_block(2, 16, 128, 132) == 16  # two 8K rows: 64 programs at 64, 256 at 16
+    assert state_value_block(4, 16, 128, 132) == 16  # 128 programs at 64: one short of the SMs
+    assert state_value_block(5, 16, 128, 132) == 64
+    assert state_value_block(1, 16, 128, 132) == 64  # one long sequence: the segmented passes
+    assert state_value_block(3, 2, 32, 4) == 64  # narrower values than the block: one block per head
+
+
+@pytest.mark.parametrize("keep_states", [False, True])
+def test_fused_matches_float64_with_narrow_state_blocks(monkeypatch, keep_states):
+    """The state passes in 16-wide value blocks (two per head here), as the automatic choice picks
+    them for a few sequences: same float64 agreement, kept states or recomputed."""
+    from moe_lc_kernels import kda as kda_mod
+
+    monkeypatch.setitem(kda_mod.TUNING, "state_bv", 16)
+    monkeypatch.setitem(kda_mod.TUNING, "state_bwd_bv", 16)
+    bounds = [0, 70, 150]
+    x, h0 = raw_inputs(1, 150, 2, 32, 32, num_states=2, seed=4)
+    out, final = chunk_kda_fused(x["q"], x["k"], x["v"], x["z"], x["beta"], x["A_log"], x["dt_bias"],
+                                 initial_state=h0, output_final_state=True, seq_bounds=bounds, keep_states=keep_states)
+    assert_matches(x, h0, out, final, *fused_reference(x, h0, bounds))
+
+
 def test_projections_op_triton_backend_is_the_fused_kernel_of_the_same_composition():
     """moe_lc.ops.kda_projections: its triton backend (the fused kernels) against its torch backend (the
     definition) in float64, forward and gradients; a gate the kernels cannot take falls back."""
@@ -288,7 +315,7 @@ def emulated_tf32(monkeypatch):
 
     config = kda_mod._config
     monkeypatch.setattr(interp.InterpreterBuilder, "create_dot", create_dot)
-    monkeypatch.setattr(kda_mod, "_config", lambda q, v: {**config(q, v), "dot": "tf32"})
+    monkeypatch.setattr(kda_mod, "_config", lambda *args: {**config(*args), "dot": "tf32"})
     return kda_mod.TUNING
 
 
