@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from moe_lc.config import MoEConfig  # noqa: E402
-from moe_lc.model.moe import LatentMoE, combine_by_token, dispatch_by_expert, sort_by_expert  # noqa: E402
+from moe_lc.model.moe import LatentMoE, combine_by_token, sort_by_expert  # noqa: E402
 from moe_lc.ops.grouped_experts import autocast_operands, grouped_glu, resolve_backend  # noqa: E402
 from moe_lc_kernels import triton_available  # noqa: E402
 
@@ -145,50 +145,17 @@ def test_sort_and_combine_against_a_direct_sum():
     gen = torch.Generator().manual_seed(2)
     tokens, k, experts = 11, 3, 6
     topk_idx = torch.stack([torch.randperm(experts - 1, generator=gen)[:k] for _ in range(tokens)])  # 5 never used
-    routing = sort_by_expert(topk_idx, experts)
-    order, token_of_row = routing.order, routing.token_of_row
-    assert routing.counts.tolist() == torch.bincount(topk_idx.reshape(-1), minlength=experts).tolist()
+    order, token_of_row, counts = sort_by_expert(topk_idx, experts)
+    assert counts.tolist() == torch.bincount(topk_idx.reshape(-1), minlength=experts).tolist()
     experts_of_rows = topk_idx.reshape(-1)[order]
     assert torch.equal(experts_of_rows, experts_of_rows.sort().values) and torch.equal(token_of_row, order // k)
-    assert torch.equal(order[routing.row_of_slot], torch.arange(tokens * k))
     p = torch.rand(tokens, k, generator=gen, dtype=F64)
     table = torch.randn(experts, tokens, 4, generator=gen).double()  # expert e's output for token t
     out_sorted = table[experts_of_rows, token_of_row].float()  # exact: the table holds fp32 values
-    u = combine_by_token(out_sorted, routing, p)
+    u = combine_by_token(out_sorted, order, p)
     direct = sum(p[:, j, None] * table[topk_idx[:, j], torch.arange(tokens)] for j in range(k))
     eps64 = torch.finfo(F64).eps
     assert u.dtype == F64 and torch.allclose(u, direct, rtol=0, atol=2 * k * eps64 * direct.abs().max().item())
-
-
-def test_dispatch_and_combine_gradients_against_plain_indexing():
-    """The hand-written backwards of the dispatch (a token's k row gradients gathered and summed) and
-    of the combine (a gather by the inverse permutation) against autograd through plain indexing and
-    index_copy, in float64: the same gradients for the tokens, the rows and the routing weights."""
-    gen = torch.Generator().manual_seed(5)
-    tokens, k, experts, width = 13, 3, 5, 4
-    topk_idx = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
-    routing = sort_by_expert(topk_idx, experts)
-    z = torch.randn(tokens, width, generator=gen, dtype=F64, requires_grad=True)
-    p = torch.rand(tokens, k, generator=gen, dtype=F64, requires_grad=True)
-    mix = torch.randn(tokens * k, width, generator=gen, dtype=F64)  # stands in for the experts: row-wise
-
-    def loss(rows_of, combine):
-        out_sorted = rows_of(z) * mix
-        u = combine(out_sorted)
-        return (u * torch.randn(tokens, width, generator=torch.Generator().manual_seed(6), dtype=F64)).sum()
-
-    fused = loss(lambda x: dispatch_by_expert(x, routing), lambda o: combine_by_token(o, routing, p))
-    grads = torch.autograd.grad(fused, (z, p))
-
-    def plain_combine(out_sorted):
-        by_slot = torch.zeros_like(out_sorted).index_copy(0, routing.order, out_sorted)
-        return (by_slot.view(tokens, k, -1) * p.unsqueeze(-1)).sum(1)
-
-    plain = loss(lambda x: x[routing.token_of_row], plain_combine)
-    expected = torch.autograd.grad(plain, (z, p))
-    assert torch.allclose(fused, plain, rtol=1e-12, atol=0)
-    for got, want in zip(grads, expected):
-        assert torch.allclose(got, want, rtol=1e-12, atol=1e-14)
 
 
 def moe_layer(seed: int = 0) -> LatentMoE:

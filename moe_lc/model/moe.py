@@ -15,7 +15,7 @@ dispatch around the experts' call.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, NamedTuple, Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -177,80 +177,30 @@ def reuse_weight_casts(model: nn.Module) -> Iterator[None]:
             m.step_casts = None
 
 
-class ExpertOrder(NamedTuple):
-    """Where each (token, slot) assignment goes when the rows are sorted by expert."""
+def sort_by_expert(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flattened (token, slot) assignments ordered by expert: (order, token_of_row, counts [E] int64).
 
-    order: torch.Tensor  # [T k]: the flat (token, slot) index of each expert-sorted row
-    token_of_row: torch.Tensor  # [T k]: order // k, the token each sorted row reads
-    row_of_slot: torch.Tensor  # [T k]: the inverse permutation, the sorted row of each (token, slot)
-    counts: torch.Tensor  # [E] int64: rows per expert
-
-
-def sort_by_expert(topk_idx: torch.Tensor, num_experts: int) -> ExpertOrder:
-    """The flattened (token, slot) assignments ordered by expert, and the way back.
-
-    Everything stays on topk_idx's device with no host read. The counts come from a search of the
+    All three stay on topk_idx's device with no host read. The counts come from a search of the
     sorted expert ids, not ``torch.bincount``: on CUDA bincount reads the largest id back to the
     host to size its output, a stream sync per layer.
     """
     flat = topk_idx.reshape(-1)
     experts_sorted, order = torch.sort(flat, stable=True)
     token_of_row = order // topk_idx.shape[1]
-    row_of_slot = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     ends = torch.searchsorted(experts_sorted, torch.arange(num_experts, device=flat.device), right=True)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    return ExpertOrder(order, token_of_row, row_of_slot, counts)
+    return order, token_of_row, counts
 
 
-class _RowsOfTokens(torch.autograd.Function):
-    """``x[token_of_row]``: each token's row once for each of its k expert-sorted slots. The backward
-    gathers a token's k row gradients (by ``row_of_slot``) and sums them in slot order in fp32:
-    deterministic and rounded once, where autograd's backward of the indexing would zero-fill the
-    gradient and scatter-add the rows into it in their own dtype."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, token_of_row: torch.Tensor, row_of_slot: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(row_of_slot)
-        ctx.tokens = x.shape[0]
-        return x[token_of_row]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (row_of_slot,) = ctx.saved_tensors
-        rows = grad[row_of_slot].view(ctx.tokens, row_of_slot.numel() // ctx.tokens, *grad.shape[1:])
-        return upcast(rows).sum(1).to(grad.dtype), None, None
-
-
-class _PermutedRows(torch.autograd.Function):
-    """``x[index]`` for a permutation ``index`` of x's rows given with its inverse: the backward is
-    the gather ``grad[inverse]`` (every row lands once), not a zero fill and a scatter-add."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        return x[index]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (inverse,) = ctx.saved_tensors
-        return grad[inverse], None, None
-
-
-def dispatch_by_expert(x: torch.Tensor, routing: ExpertOrder) -> torch.Tensor:
-    """The experts' input rows [T k, width] in expert order: token t's row once per slot."""
-    return _RowsOfTokens.apply(x, routing.token_of_row, routing.row_of_slot)
-
-
-def combine_by_token(out_sorted: torch.Tensor, routing: ExpertOrder, weights: torch.Tensor) -> torch.Tensor:
+def combine_by_token(out_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """u_t = sum_j p_tj out[row of (t, j)]: [T, width] in at least fp32 from rows in expert order.
 
-    Each (token, slot) reads its row by the inverse permutation (a gather, whose backward is a
-    gather by ``order``; compiled, both fuse into the weighted sum and its backward), then each
-    token's k rows are summed in fp32 in slot order: deterministic on GPUs, where a scatter-add's
-    atomics sum them in a varying order.
+    The rows go back to (token, slot) order by a copy to the inverse permutation (each row lands
+    once; its backward is a gather by ``order``), then each token's k rows are summed in fp32 in
+    slot order: deterministic on GPUs, where a scatter-add's atomics sum them in a varying order.
     """
     tokens, k = weights.shape
-    by_slot = _PermutedRows.apply(out_sorted, routing.row_of_slot, routing.order)
+    by_slot = out_sorted.new_empty(out_sorted.shape).index_copy(0, order, out_sorted)
     return (upcast(by_slot).view(tokens, k, -1) * weights.unsqueeze(-1)).sum(1)
 
 
@@ -296,9 +246,9 @@ class LatentMoE(nn.Module):
 
     def routed(self, z: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """u = sum_{j in T} p_j E_j(z) on one process: sort by expert, the experts, combine (no host read)."""
-        routing = sort_by_expert(topk_idx, self.cfg.num_routed)
-        out_sorted = self.experts(dispatch_by_expert(z, routing), routing.counts)
-        return combine_by_token(out_sorted, routing, weights).to(z.dtype)
+        order, token_of_row, counts = sort_by_expert(topk_idx, self.cfg.num_routed)
+        out_sorted = self.experts(z[token_of_row], counts)
+        return combine_by_token(out_sorted, order, weights).to(z.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from moe_lc.model.moe import LatentMoE, combine_by_token, dispatch_by_expert, sort_by_expert
+from moe_lc.model.moe import LatentMoE, combine_by_token, sort_by_expert
 from moe_lc.parallel.comm import all_to_all
 from moe_lc.parallel.tensor_parallel import distribute_parameters
 
@@ -51,13 +51,13 @@ def expert_parallel_routed(
     world = dist.get_world_size(group)
     n = moe.cfg.num_routed
     local_n = n // world
-    routing = sort_by_expert(topk_idx, n)
-    send_counts = routing.counts.view(world, local_n)
+    order, token_of_row, counts = sort_by_expert(topk_idx, n)
+    send_counts = counts.view(world, local_n)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)  # recv[src, e]: rows src sends to my e
     send_splits, recv_splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # the host read
 
-    received = all_to_all(dispatch_by_expert(z, routing), recv_splits, send_splits, group)  # ordered (source, local expert)
+    received = all_to_all(z[token_of_row], recv_splits, send_splits, group)  # ordered (source, local expert)
     expert_of_row = torch.arange(local_n, device=z.device).repeat(world).repeat_interleave(
         recv_counts.reshape(-1), output_size=sum(recv_splits)
     )
@@ -65,7 +65,7 @@ def expert_parallel_routed(
     out = moe.experts(received[by_expert], recv_counts.sum(0))
     out_by_source = torch.empty_like(out).index_copy(0, by_expert, out)
     out_sorted = all_to_all(out_by_source, send_splits, recv_splits, group)
-    return combine_by_token(out_sorted, routing, weights).to(z.dtype)
+    return combine_by_token(out_sorted, order, weights).to(z.dtype)
 
 
 def apply_expert_parallel(model: torch.nn.Module, ep_mesh: DeviceMesh) -> None:
