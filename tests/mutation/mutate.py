@@ -51,6 +51,7 @@ FAST_TESTS = (
     "tests/test_situ_glu.py",
     "tests/test_accumulate.py",
     "tests/test_attention_op.py",
+    "tests/test_autocast_casts.py",
 )
 
 
