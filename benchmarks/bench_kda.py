@@ -49,6 +49,9 @@ SHAPES = {  # name: (B, T, H, per-document lengths or None)
     "B2_T8K_H64": (2, 8192, 64, None),
     "B1_T32K_H64": (1, 32768, 64, None),
     "varlen_64K": (1, 65536, 16, "random"),
+    # k3-small-8k's micro-batch: two 8K rows packed flat, as one or two documents each
+    "rows_2x8K": (1, 16384, 16, [8192, 8192]),
+    "rows_4docs": (1, 16384, 16, [7772, 420, 5788, 2404]),
 }
 
 
@@ -386,6 +389,7 @@ def main(argv=None):
 
         base = dict(kda_mod.TUNING)
         rows = []
+        timed = functools.partial(ours, keep_states=args.keep_states)
         for variant in ["", *args.variants.split(";")]:
             kda_mod.TUNING.clear()
             kda_mod.TUNING.update(base)
@@ -394,8 +398,8 @@ def main(argv=None):
                 batch, seq_len, heads, docs = SHAPES[name]
                 x, cu = make_inputs(batch, seq_len, heads, 128, docs, device, torch.bfloat16, 7)
                 with torch.no_grad():
-                    f_ms = time_fn(lambda: ours(x, cu))
-                run = fwd_bwd(ours, x, cu)
+                    f_ms = time_fn(lambda: timed(x, cu))
+                run = fwd_bwd(timed, x, cu)
                 run.do = torch.randn_like(x["v"])
                 fb_ms = time_fn(run)
                 rows.append(dict(variant=variant or "default", shape=name, fwd_ms=f_ms, fwdbwd_ms=fb_ms))
