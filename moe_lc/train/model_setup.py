@@ -17,7 +17,7 @@ from torch import nn
 
 from moe_lc.config import ConfigError, ModelConfig
 from moe_lc.optim import OptimConfig, build_optimizer, clip_grad_norm
-from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointMode, apply_activation_checkpointing
+from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
 from moe_lc.parallel.compile import RegionalCompile, apply_compile
 from moe_lc.parallel.float8 import Float8Training, apply_float8
 from moe_lc.parallel.layout import ParallelLayout
@@ -36,9 +36,6 @@ class ModelState:
     balance_group: Optional[Any]  # process group for ExpertBalancer.update
     autocast_forward: bool  # False when FSDP already computes in bf16
     pipeline: Optional[Any] = None  # moe_lc.parallel.pipeline_runtime.Pipeline when pp > 1
-    # autocast's weight casts kept from a step's first micro-batch to its last (step.autocast_casts_kept):
-    # where nothing is checkpointed (the forward keeps them for backward anyway) and FSDP does not gather
-    keeps_casts: bool = False
 
     @property
     def parallel(self) -> bool:
@@ -121,8 +118,7 @@ def build_model_state(
             apply_compile(model, compiled)
         apply_activation_checkpointing(model, checkpointing)
         model.train()
-        return ModelState(model, build_optimizer(model, optim_cfg), layout, None, 0, 1, None, True,
-                          keeps_casts=checkpointing.mode == CheckpointMode.none)
+        return ModelState(model, build_optimizer(model, optim_cfg), layout, None, 0, 1, None, True)
 
     from moe_lc import parallel
 
@@ -140,5 +136,4 @@ def build_model_state(
     return ModelState(
         model, optimizer, layout, mesh, dp_rank, dp_size, parallel.balance_group(mesh), autocast_forward=not fsdp_bf16,
         pipeline=parallel.parallel_context(model).pipeline,
-        keeps_casts=not layout.wraps_with_fsdp and checkpointing.mode == CheckpointMode.none,
     )

@@ -213,9 +213,7 @@ def train_step(
         counts = _sum_over_data_parallel(counts, state)
         denom = counts[0].clamp(min=1)
     autocast = runtime.autocast if state.autocast_forward else contextlib.nullcontext
-    # the experts' bf16 weights and autocast's casts of the others once a step, not once a micro-batch
-    with reuse_weight_casts(state.model), autocast_casts_kept(runtime.device.type,
-                                                             state.autocast_forward and state.keeps_casts):
+    with reuse_weight_casts(state.model):  # the experts' bf16 weights once a step, not once a micro-batch
         if state.pipeline is not None:
             lm_sum, extra_sum = _pipeline_micro_batches(state, micro_batches, docs, labels_here, denom, runtime,
                                                         autocast, context)
@@ -262,29 +260,6 @@ def train_step(
         maxvio_per_layer=maxvio, expert_loads=loads, stop_requested=bool(stop), aux_loss=extra,
         skipped=not was_finite, optimizer_s=update.seconds(), own_s_per_rank=own,
     )
-
-
-@contextlib.contextmanager
-def autocast_casts_kept(device_type: str, enabled: bool = True) -> Iterator[None]:
-    """Keep autocast's casts of the weights from one micro-batch to the next within the block.
-
-    autocast caches its cast of every weight (a leaf that requires grad) and drops the cache when
-    the outermost autocast context exits, so with one context per micro-batch forward each
-    micro-batch cast every fp32 weight again (k3-small: ~250 casts a micro-batch). One disabled
-    autocast level around the step's micro-batches makes the per-forward contexts inner ones:
-    their exits keep the cache, the backward still runs without autocast, and the cache goes with
-    this block's exit, before the optimizer changes the weights. The gradients are bitwise the
-    same: each backward casts its share back and adds it into ``.grad`` as before, through the one
-    shared cast node. The peak memory is the same where nothing is checkpointed (the forward keeps
-    every cast for the backward anyway); ``enabled=False`` under activation checkpointing (whose
-    layers would otherwise cast again one at a time) and under FSDP (every all-gathered weight's
-    bf16 copy would stay for the whole step): ``ModelState.keeps_casts``.
-    """
-    if not enabled:
-        yield
-        return
-    with torch.autocast(device_type, enabled=False):
-        yield
 
 
 def _micro_batches(state: ModelState, micro_batches: Sequence, docs: list[DocumentBounds], labels_here: list[int],

@@ -217,10 +217,6 @@ MUTANTS: tuple[Mutant, ...] = (
            "        for weight, part in zip(ctx.weights, (grad[:, :hidden], grad[:, hidden:])):",
            "        for weight, part in zip(ctx.weights, (grad[:, hidden:], grad[:, :hidden])):",
            "the stacked gate/input copy's gradient halves go to the other weight"),
-    Mutant("autocast-casts-not-kept", "moe_lc/train/step.py",
-           "    with torch.autocast(device_type, enabled=False):\n        yield\n",
-           "    with contextlib.nullcontext():\n        yield\n",
-           "every micro-batch casts every weight again (the step's outer autocast level is gone)"),
     Mutant("accumulate-kernel-overwrites", ACCUMULATE_KERNEL, "tl.store(d, tl.load(d, mask=mask, other=0.0) + s, mask=mask)",
            "tl.store(d, s, mask=mask)", "the accumulation kernel replaces the gradient sum with the new gradient"),
     # -- q, k, v written by the stacked short convolution as three tensors

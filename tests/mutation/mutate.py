@@ -51,7 +51,6 @@ FAST_TESTS = (
     "tests/test_situ_glu.py",
     "tests/test_accumulate.py",
     "tests/test_attention_op.py",
-    "tests/test_autocast_casts.py",
 )
 
 
