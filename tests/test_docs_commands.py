@@ -102,7 +102,7 @@ COMMANDS: dict[str, object] = {
         Run(command="moe-lc plan proxy-8k optim.lr=1e-3 --gpus 16 --gpu-memory 80 --gpu h100 --gpus-per-node 8 "
                     "--interconnect ib400 --margin 0.1 --runners-up 3"),
     # docs/testing.md
-    "python3 -m pytest -q tests": NotRun("this suite"),
+    "python3 -m pytest -q -n 2 --dist loadfile tests": NotRun("this suite"),
     "python -m pytest -q -n 14 tests": NotRun("this suite, spread over processes on a GPU machine", needs="GPU"),
     "python3 -m pytest -q tests/test_reference_layers.py tests/test_reference_model.py": NotRun("part of this suite"),
     "python3 tests/mutation/mutate.py --check": Run(command=f"cd {REPO} && python3 tests/mutation/mutate.py --check"),
