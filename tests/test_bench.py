@@ -55,6 +55,8 @@ def test_bench_of_the_smoke_recipe_times_and_profiles_its_first_stage(tmp_path, 
     assert re.search(r"^experts: [\d.]+ ms in \d+ launches$", kernels, re.M) and "aten::" in kernels, kernels[:2000]
     shapes = (trace / "rank0_shapes.txt").read_text()  # the same ops by their input shapes
     assert "Input Shapes" in shapes and re.search(r"aten::mm .*\[\[\d+, \d+\], \[\d+, \d+\]\]", shapes), shapes[:3000]
+    kinds = (trace / "rank0_trace_kinds.txt").read_text()  # a CPU trace has no kernels, only its header
+    assert kinds.startswith("kernel time "), kinds
     for line in ("tokens/s", "MFU", "measured matmul peak", "peak memory", "breakdown", "experts", "host wall"):
         assert line in printed, line
 

@@ -47,6 +47,7 @@ from moe_lc.metrics import (
 from moe_lc.metrics.breakdown import (breakdown, component_ranges, format_kernels_by_component, host_breakdown, idle_share,
                                       kernels_by_component)
 from moe_lc.metrics.gaps import find_gaps, format_gaps, load_trace
+from moe_lc.metrics.kernel_kinds import device_kernels, format_kinds, kernels_by_kind
 from moe_lc.metrics.memory import allocator_counters
 from moe_lc.model.accounting import training_flops_per_token
 from moe_lc.parallel.compile import compiled_modules
@@ -273,6 +274,8 @@ def _profile(taken_steps, model: torch.nn.Module, device: torch.device, show, mi
         _write_trace(prof, trace_prefix, on_gpu)
         table = format_kernels_by_component(kernels_by_component(events, device=on_gpu))
         Path(f"{trace_prefix}_kernels.txt").write_text(table + "\n")
+        trace = Path(f"{trace_prefix}_trace.json")
+        _write_kinds(load_trace(trace), trace)
     per_step = {name: ms / PROFILED_STEPS for name, ms in breakdown(events, device=on_gpu).items()}
     host = {name: ms / PROFILED_STEPS for name, ms in host_breakdown(events).items()}
     return Profiled(PROFILED_STEPS, micro_batches, sum(times) / len(times), per_step,
@@ -300,8 +303,17 @@ def _write_gaps(taken_steps, show, prefix: Path) -> None:
             prof.step()
     trace = Path(f"{prefix}_step_trace.json")
     prof.export_chrome_trace(str(trace))
-    gaps, window, busy = find_gaps(load_trace(trace))
+    events = load_trace(trace)
+    gaps, window, busy = find_gaps(events)
     Path(f"{prefix}_gaps.txt").write_text(format_gaps(gaps, window, busy))
+    _write_kinds(events, trace)
+
+
+def _write_kinds(events: list[dict[str, Any]], trace: Path) -> None:
+    """A trace's kernel time by kind (GEMMs, attention, KDA, optimizer, memory-bound), next to it as
+    ``*_kinds.txt``: the shares a step-time model prices at one rate each."""
+    table = kernels_by_kind(device_kernels(events))
+    trace.with_name(trace.name.replace(".json", "_kinds.txt")).write_text(format_kinds(table) + "\n")
 
 
 def _max_over_ranks(value: float, runtime: Runtime) -> float:
