@@ -10,7 +10,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import configs
 from moe_lc.cli import main as cli_main
-from moe_lc.model.accounting import count_parameters, matmul_parameters, training_flops_per_token
+from moe_lc.model.accounting import (
+    FLOP_KINDS,
+    count_parameters,
+    head_training_flops,
+    layer_training_flops_by_kind,
+    matmul_parameters,
+    mixing_flops_per_layer,
+    mtp_training_flops,
+    mtp_training_flops_by_kind,
+    training_flops_per_token,
+)
 from moe_lc.model.init import build_model
 from moe_lc.model.moe import RoutedExperts
 from moe_lc.presets import PRESETS, get_preset
@@ -125,3 +135,29 @@ def test_k3_builds_on_meta_without_memory():
     model = build_model(get_preset("k3"), device="meta")
     assert all(p.device.type == "meta" for p in model.parameters())
     assert len(model.layers) == 93 and sum(layer.kind == "M" for layer in model.layers) == 24
+
+
+@pytest.mark.parametrize("preset", ["proxy", "k3"])
+def test_flops_by_kind_split_the_model_flops(preset):
+    """Per layer: the routed experts' grouped GEMMs are 6 k/n x the built layer's expert parameters, the
+    token mixing is attention in MLA layers and the KDA recurrence in KDA layers, the rest dense GEMMs;
+    with the head (dense) they add up to the model's FLOPs, and MTP's to its own."""
+    cfg = get_preset(preset)
+    model = build_model(cfg, device="meta")
+    seq, keys = 65536, 5000.0
+    total = head_training_flops(cfg)
+    for i, layer in enumerate(model.layers):
+        flops = layer_training_flops_by_kind(cfg, i, seq, keys)
+        assert set(flops) == set(FLOP_KINDS)
+        experts = [m for m in layer.modules() if isinstance(m, RoutedExperts)]
+        routed = sum(p.numel() for m in experts for p in m.parameters()) * cfg.moe.top_k / cfg.moe.num_routed
+        assert flops["grouped_gemm"] == pytest.approx(6 * routed, rel=1e-12) and (routed > 0) == bool(experts)
+        mixing = 3 * mixing_flops_per_layer(cfg, seq, keys)[cfg.pattern[i]]
+        mixer = "attention" if cfg.pattern[i] == "M" else "kda"
+        other = "kda" if mixer == "attention" else "attention"
+        assert flops[mixer] == pytest.approx(mixing, rel=1e-12) and flops[other] == 0
+        total += sum(flops.values())
+    assert total == pytest.approx(training_flops_per_token(cfg, seq, keys), rel=1e-12)
+    mtp = mtp_training_flops_by_kind(cfg, seq, keys)
+    assert sum(mtp.values()) == pytest.approx(mtp_training_flops(cfg, seq, keys), rel=1e-12)
+    assert (mtp["attention"] > 0) == cfg.mtp and mtp["kda"] == 0

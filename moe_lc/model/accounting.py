@@ -178,6 +178,21 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     return sum(layer_matmul_parameters(cfg, i) for i in range(cfg.num_layers)) + cfg.padded_vocab_size * cfg.d_model
 
 
+# The kinds of work a layer's FLOPs run as, each at its own rate on a GPU (`moe_lc.plan.hardware`):
+# dense GEMMs, the routed experts' grouped GEMMs, softmax attention and the KDA recurrence.
+FLOP_KINDS = ("dense_gemm", "grouped_gemm", "attention", "kda")
+
+
+def layer_training_flops_by_kind(cfg: ModelConfig, layer_idx: int, seq_len: int,
+                                 keys_per_token: Optional[float] = None) -> dict[str, float]:
+    """:func:`layer_training_flops` split by ``FLOP_KINDS`` (the parts sum to it)."""
+    kind = cfg.pattern[layer_idx] if layer_idx < cfg.num_layers else "M"
+    routed = 0 if cfg.is_dense_layer(layer_idx) else cfg.moe.top_k * _moe_params(cfg)[1]
+    mixing = 3.0 * mixing_flops_per_layer(cfg, seq_len, keys_per_token)[kind]
+    return {"dense_gemm": 6.0 * (layer_matmul_parameters(cfg, layer_idx) - routed), "grouped_gemm": 6.0 * routed,
+            "attention": mixing if kind == "M" else 0.0, "kda": mixing if kind == "K" else 0.0}
+
+
 def layer_training_flops(cfg: ModelConfig, layer_idx: int, seq_len: int, keys_per_token: Optional[float] = None) -> float:
     """Forward + backward FLOPs per token of decoder layer ``layer_idx`` (``num_layers``: the MTP layer)."""
     kind = cfg.pattern[layer_idx] if layer_idx < cfg.num_layers else "M"
@@ -193,10 +208,16 @@ def mtp_training_flops(cfg: ModelConfig, seq_len: int, keys_per_token: Optional[
     """Forward + backward FLOPs per token of multi-token prediction (0 without it): the projection of
     [hidden; next embedding], its decoder layer and a second pass through the LM head. Not part of
     `training_flops_per_token` (MTP is a training-time extra, like its parameters in the active count)."""
+    return sum(mtp_training_flops_by_kind(cfg, seq_len, keys_per_token).values())
+
+
+def mtp_training_flops_by_kind(cfg: ModelConfig, seq_len: int, keys_per_token: Optional[float] = None) -> dict[str, float]:
+    """:func:`mtp_training_flops` split by ``FLOP_KINDS`` (all 0 without MTP)."""
     if not cfg.mtp:
-        return 0.0
-    projection = 3.0 * 2.0 * (2 * cfg.d_model) * cfg.d_model
-    return projection + layer_training_flops(cfg, cfg.num_layers, seq_len, keys_per_token) + head_training_flops(cfg)
+        return dict.fromkeys(FLOP_KINDS, 0.0)
+    flops = layer_training_flops_by_kind(cfg, cfg.num_layers, seq_len, keys_per_token)
+    flops["dense_gemm"] += 3.0 * 2.0 * (2 * cfg.d_model) * cfg.d_model + head_training_flops(cfg)  # projection, head
+    return flops
 
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int, keys_per_token: Optional[float] = None) -> float:

@@ -41,14 +41,33 @@ NETWORKS = {
     "ib800": Network("InfiniBand XDR 800 Gb/s per GPU", 100 * GB),
 }
 
-# Achievable fractions of the peaks above.
-MATMUL_FRACTION_MEASURED = 0.70  # measured here: an 8192^3 bf16 matmul ran at 679-693 TFLOP/s on one H200
-GROUPED_GEMM_FRACTION_MEASURED = 0.35  # measured here: the proxy's grouped expert GEMMs, ~350 TFLOP/s
-# assumed: the whole step's compute (matmuls, attention, the KDA kernels, elementwise work) as a share
-# of the bf16 peak, between the two measured rates above; `moe-lc bench` measures what a stage reaches
-COMPUTE_FRACTION = 0.5
 HBM_FRACTION = 0.88  # measured here: a device copy ran at 4.25 TB/s of the H200's 4.8
 LINK_FRACTION = 0.8  # assumed: what large NCCL collectives reach of a link's bandwidth (NVLink and IB alike)
+
+
+@dataclass(frozen=True)
+class ComputeRates:
+    """What a step's kernels reach, by kind of work (`moe_lc.metrics.kernel_kinds`): each FLOP kind as a
+    share of the bf16 peak, the memory-bound kernels as bytes moved per byte the layers keep for
+    backward, the optimizer as a share of the HBM bandwidth."""
+
+    dense_gemm: float
+    grouped_gemm: float
+    attention: float
+    kda: float  # of the KDA recurrence's FLOPs as `moe_lc.model.accounting` counts them
+    memory_passes: float  # memory-bound bytes / the bytes kept for backward without checkpointing, at HBM_FRACTION
+    optimizer_hbm: float  # the fused AdamW update and the gradient norm
+
+    def share(self, kind: str) -> float:
+        return getattr(self, kind)
+
+
+# measured here: the kernels of `moe-lc bench --trace` on one H200 (k3-small at 8K, the proxy at 8K and
+# 64K; docs/performance.md, "The planner's step time by kind"), each the middle of the runs' values:
+# dense GEMMs 700-755 TFLOP/s, grouped 371-615, attention 335-468 (within documents), KDA 20-23, the
+# memory-bound kernels 7.1-8.7 passes, AdamW + its norm 0.61 of the HBM bandwidth
+MEASURED_RATES = ComputeRates(dense_gemm=0.74, grouped_gemm=0.55, attention=0.40, kda=0.021, memory_passes=8.0,
+                              optimizer_hbm=0.61)
 
 DEFAULT_MARGIN = 0.10  # assumed: memory kept free for the CUDA context, NCCL and allocator fragmentation
 
@@ -63,17 +82,16 @@ class Cluster:
     network: Network
     memory_gib: float  # per GPU
     margin: float = DEFAULT_MARGIN
-    compute_fraction: float = COMPUTE_FRACTION
+    rates: ComputeRates = MEASURED_RATES
 
     @property
     def usable_gib(self) -> float:
         """What a layout may plan to use per GPU."""
         return self.memory_gib * (1 - self.margin)
 
-    @property
-    def flops(self) -> float:
-        """FLOP/s one GPU is assumed to sustain on the step's compute."""
-        return self.gpu.bf16_peak * self.compute_fraction
+    def flops(self, kind: str = "dense_gemm") -> float:
+        """FLOP/s one GPU sustains on one kind of work (``moe_lc.model.accounting.FLOP_KINDS``)."""
+        return self.gpu.bf16_peak * self.rates.share(kind)
 
     @property
     def hbm(self) -> float:

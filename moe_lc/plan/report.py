@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moe_lc.plan.hardware import COMPUTE_FRACTION, HBM_FRACTION, LINK_FRACTION, Cluster
+from moe_lc.plan.hardware import HBM_FRACTION, LINK_FRACTION, Cluster
 from moe_lc.plan.memory import GiB, MemoryBreakdown
 from moe_lc.plan.search import MIN_CP_TOKENS, Candidate, Recommendation
 from moe_lc.plan.step_time import StepTime
@@ -18,11 +18,14 @@ CONTINUED = INDENT + LABEL
 
 
 def assumptions(cluster: Cluster) -> list[str]:
+    r = cluster.rates
     return [
         f"cluster: {cluster.describe()}",
-        f"time model: compute at {COMPUTE_FRACTION:.0%} of the {cluster.gpu.bf16_peak / 1e12:.0f} TFLOP/s bf16 peak "
-        f"(assumed), links at {LINK_FRACTION:.0%} (assumed), HBM at {HBM_FRACTION:.0%} (measured);",
-        "  TP, EP, CP and PP communication exposed, FSDP's overlapped with compute, no per-message latency",
+        f"time model: of the {cluster.gpu.bf16_peak / 1e12:.0f} TFLOP/s bf16 peak, dense GEMMs at {r.dense_gemm:.0%}, "
+        f"grouped {r.grouped_gemm:.0%}, attention {r.attention:.0%}, KDA {r.kda:.1%}; memory-bound kernels "
+        f"{r.memory_passes:g} passes over the kept activations at {HBM_FRACTION:.0%} of HBM (measured on an H200);",
+        f"  links at {LINK_FRACTION:.0%} (assumed), TP, EP, CP and PP communication exposed, FSDP's overlapped with "
+        "compute, no per-message latency",
         "memory model: one-GPU peaks within 11% of those measured on an H200; multi-GPU buffers not measured "
         "(docs/parallelism.md, Planning a layout)",
     ]

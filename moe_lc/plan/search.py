@@ -110,7 +110,7 @@ def recommend(facts: ModelFacts, optimizer: str, stage: str, shape: StageShape, 
     """Price every candidate layout and policy for one stage; the fastest that fits first (``compile``:
     the run's regional-compile policy, decided per layout)."""
     memory = MemoryModel(facts, shape, optimizer, compile)
-    timing = TimeModel(facts, shape, cluster, optimizer)
+    timing = TimeModel(facts, shape, cluster, optimizer, compile)
     best_per_layout: list[Candidate] = []
     fastest_overall: list[Candidate] = []
     smallest: Optional[Candidate] = None

@@ -1,13 +1,20 @@
-"""Time of one training step under a layout: compute from FLOPs, communication from bytes and links.
+"""Time of one training step under a layout: compute by kind of work, communication from bytes and links.
 
 Per pipeline stage s and micro-batch, on one GPU of the stage:
 
-    t_compute(s) = tokens x (FLOPs per token of its blocks + the recompute) / (peak x compute fraction)
+    t_compute(s) = tokens x sum over its layers of (
+                       sum over kinds k of FLOPs_k per token / (peak x rate_k)
+                       + memory_passes x bytes the layer keeps for backward per token / HBM)
 
-with tokens = micro_batch x seq_len / (cp x tp) and the FLOPs of `moe_lc.model.accounting` per
-decoder layer (attention within one document per row), plus the LM head and the MTP module on the
-last stage; full checkpointing adds one forward (a third of a layer's FLOPs) per checkpointed
-layer, selective recomputes only elementwise work, taken as free. Communication (bf16 activations,
+with tokens = micro_batch x seq_len / (cp x tp), the FLOPs of `moe_lc.model.accounting` per decoder
+layer split into dense GEMMs, the routed experts' grouped GEMMs, attention (within documents:
+``keys_per_token``, else one document per row) and the KDA recurrence, each at the rate measured
+for its kernels (`moe_lc.plan.hardware.MEASURED_RATES`), and the memory-bound kernels (norms,
+mixtures, activations, casts, copies) priced as ``memory_passes`` reads or writes of what the layer
+keeps for backward without checkpointing (`moe_lc.parallel.activation_memory`); the LM head
+and the MTP module on the last stage. Full checkpointing adds one forward (a third of a layer's
+time) per checkpointed layer; selective adds a third of the memory passes over what it drops (the
+elementwise work it recomputes). Communication (bf16 activations,Communication (bf16 activations,
 sizes in bytes per micro-batch):
 
 - tp: each decoder layer's token mixer and dense GLU (dense FFN, shared experts) all-gather their
@@ -34,8 +41,9 @@ TP, EP, CP and PP communication is exposed (on the critical path).
     step = (m + pp - 1) x max_s t_micro(s) + exposed gradient sync + optimizer
 
 with t_micro = t_compute + exposed communication, m micro-batches per data-parallel rank (1F1B:
-(pp - 1) micro-batch slots are the bubble). The optimizer step reads and writes its state at HBM
-bandwidth (AdamW 28 B per parameter of the shard, Muon 20 B) and runs Muon's Newton-Schulz on its
+(pp - 1) micro-batch slots are the bubble). The optimizer step reads and writes its state at the
+fused optimizer's measured share of the HBM bandwidth (AdamW 28 B per parameter of the shard, Muon
+20 B, and the gradient norm's read of 4 B) and runs Muon's Newton-Schulz (dense GEMMs) on its
 matrices: expert blocks on the shard that holds them whole (every edp rank when the shard splits an
 expert), per-head blocks on the shard, other matrices whole on every rank.
 """
@@ -43,15 +51,18 @@ expert), per-head blocks on the shard, other matrices whole on every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from moe_lc.model.accounting import (
-    layer_training_flops_per_token,
-    mtp_training_flops,
+    head_training_flops,
+    layer_training_flops_by_kind,
+    mtp_training_flops_by_kind,
     training_flops_per_token,
 )
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointMode
-from moe_lc.parallel.activation_memory import sources_before_layer
+from moe_lc.parallel.activation_memory import (ExecutionPath, LayerActivations, gpu_execution_path, layer_activations,
+                                               sources_before_layer)
+from moe_lc.parallel.compile import RegionalCompile
 from moe_lc.parallel.layout import ParallelLayout
 from moe_lc.plan.hardware import Cluster
 from moe_lc.plan.memory import Degrees, StageShape
@@ -61,6 +72,7 @@ ACT = 2  # bf16 activations on the wire
 FP32 = 4  # gradient reduction, ZeRO-1's updated parameters, KDA states
 ADAMW_BYTES = 16 + 12  # read weight, gradient, two moments; write weight and moments (fp32)
 MUON_BYTES = 12 + 8  # read weight, gradient, momentum; write weight and momentum
+NORM_BYTES = 4  # the gradient norm (clipping) reads every fp32 gradient once
 TERMS = ("compute", "bubble", "tp", "ep", "cp", "pp", "fsdp", "dp_sync", "optimizer")
 
 
@@ -130,7 +142,7 @@ class StepTime:
 class _StageWork:
     """What a pipeline stage does per token and micro-batch under a policy, whatever the degrees."""
 
-    flops: float  # per token, forward + backward
+    seconds: float  # per token, forward + backward
     recompute: float  # per token, the recompute's extra forward
     tp_collectives: int  # all-gathers and reduce-scatters of N d
     moe_passes: int  # MoE layer passes (each: a dispatch and a combine all-to-all)
@@ -164,7 +176,7 @@ class _Rates:
     """Seconds per unit of a stage's work on one GPU under one layout."""
 
     stage: PipelineStage
-    flop: float  # per FLOP per token (x the stage's FLOPs per token: one micro-batch's compute)
+    tokens: int  # of one micro-batch on one GPU
     tp_collective: float
     moe_pass: float  # a dispatch and a combine all-to-all
     mla_pass: float  # the latents' all-gather (or its reduce-scatter)
@@ -176,25 +188,31 @@ class _Rates:
     optimizer: float
 
     def micro(self, w: _StageWork) -> _Micro:
-        compute = (w.flops + w.recompute) * self.flop
+        compute = (w.seconds + w.recompute) * self.tokens
         sync = max(0.0, self.fsdp_reduce - 2 / 3 * compute) + self.zero1_sync
-        return _Micro(compute, w.recompute * self.flop, w.tp_collectives * self.tp_collective,
+        return _Micro(compute, w.recompute * self.tokens, w.tp_collectives * self.tp_collective,
                       w.moe_passes * self.moe_pass, w.mla_passes * self.mla_pass + w.kda_passes * self.kda_pass,
                       w.boundary_sources * self.pp_source, self.fsdp_gather, sync)
 
 
 class TimeModel:
     """Step time for one model, stage shape and cluster; cheap to evaluate for many layouts (each
-    stage's work is summed once per pipeline split and policy)."""
+    stage's work is summed once per pipeline split, policy and execution path)."""
 
-    def __init__(self, facts: ModelFacts, shape: StageShape, cluster: Cluster, optimizer: str) -> None:
+    def __init__(self, facts: ModelFacts, shape: StageShape, cluster: Cluster, optimizer: str,
+                 compile: Optional[RegionalCompile] = None, keys_per_token: Optional[float] = None) -> None:
+        """``compile``: the run's regional-compile policy (None: eager layers); ``keys_per_token``: the mean
+        keys an attention query sees (`moe_lc.model.accounting.causal_keys_per_token` of the data's
+        documents; None: one document per row)."""
         cfg = facts.cfg
-        self.facts, self.shape, self.cluster, self.optimizer = facts, shape, cluster, optimizer
-        self.layer_flops = layer_training_flops_per_token(cfg, shape.seq_len)
-        self.model_flops_per_token = training_flops_per_token(cfg, shape.seq_len)
-        self.head_flops = self.model_flops_per_token - sum(self.layer_flops)
-        self.mtp_flops = mtp_training_flops(cfg, shape.seq_len)
+        self.facts, self.shape, self.cluster, self.optimizer, self.compile = facts, shape, cluster, optimizer, compile
+        seq = shape.seq_len
+        self.layer_flops = [layer_training_flops_by_kind(cfg, i, seq, keys_per_token) for i in range(cfg.num_layers)]
+        self.mtp_flops = mtp_training_flops_by_kind(cfg, seq, keys_per_token)
+        self.head_seconds = head_training_flops(cfg) / cluster.flops("dense_gemm")
+        self.model_flops_per_token = training_flops_per_token(cfg, seq, keys_per_token)
         self._work: dict[tuple, _StageWork] = {}
+        self._layers: dict[ExecutionPath, list[LayerActivations]] = {}
 
     def __call__(self, layout: ParallelLayout, policy: ActivationCheckpointing) -> StepTime:
         return self.price(layout, (policy,))[0]
@@ -203,10 +221,11 @@ class TimeModel:
         """The step time under each of ``policies``."""
         shape, L = self.shape, Degrees.of(layout)
         m = shape.grad_accum(L)
+        path = gpu_execution_path(layout, self.compile)
         rates = [self._rates(stage, L) for stage in self.facts.pipeline_stages(L.pp)]
         times = []
         for policy in policies:
-            micros = [r.micro(self._stage_work(r.stage, policy)) for r in rates]
+            micros = [r.micro(self._stage_work(r.stage, policy, path)) for r in rates]
             crit = max(range(len(micros)), key=lambda s: micros[s].total)
             c = micros[crit]
             times.append(StepTime(
@@ -217,11 +236,22 @@ class TimeModel:
             ))
         return times
 
-    def _stage_work(self, stage: PipelineStage, policy: ActivationCheckpointing) -> _StageWork:
-        key = (stage.layers, stage.first, stage.last, policy.mode, policy.every)
+    def _seconds(self, flops: dict[str, float]) -> float:
+        """Seconds per token of FLOPs by kind, each at its rate."""
+        return sum(f / self.cluster.flops(kind) for kind, f in flops.items() if f)
+
+    def _memory_seconds(self, nbytes: float) -> float:
+        """Seconds per token of the memory-bound kernels around ``nbytes`` kept per token."""
+        return self.cluster.rates.memory_passes * nbytes / self.cluster.hbm
+
+    def _stage_work(self, stage: PipelineStage, policy: ActivationCheckpointing, path: ExecutionPath) -> _StageWork:
+        key = (stage.layers, stage.first, stage.last, policy.mode, policy.every, path)
         if key in self._work:
             return self._work[key]
         cfg = self.facts.cfg
+        if path not in self._layers:
+            self._layers[path] = layer_activations(cfg, path)
+        kept = self._layers[path]  # the trunk's layers, then the MTP layer's
         mtp = cfg.num_layers  # the MTP layer's index for the policy
         full = policy.mode == CheckpointMode.full
         layers = list(stage.layers) + ([mtp] if stage.last and cfg.mtp else [])
@@ -230,14 +260,18 @@ class TimeModel:
         def passes(i: int) -> int:  # forward, backward and a checkpointed layer's recompute
             return 3 if policy.checkpoints(i) else 2
 
-        flops = sum(self.layer_flops[i] for i in stage.layers)
-        recompute = sum(self.layer_flops[i] / 3 for i in stage.layers if full and policy.checkpoints(i))
+        seconds = recompute = 0.0
+        for i in layers:
+            flops = self.mtp_flops if i == mtp else self.layer_flops[i]
+            layer = self._seconds(flops) + self._memory_seconds(kept[i].none)
+            seconds += layer
+            if policy.checkpoints(i):
+                recompute += layer / 3 if full else self._memory_seconds(kept[i].none - kept[i].selective) / 3
         if stage.last:
-            flops += self.head_flops + self.mtp_flops
-            recompute += self.mtp_flops / 3 if cfg.mtp and full and policy.checkpoints(mtp) else 0.0
+            seconds += self.head_seconds
         boundary = sources_before_layer(cfg, stage.layers.stop if not stage.last else stage.layers.start)
         work = _StageWork(
-            flops, recompute,
+            seconds, recompute,
             tp_collectives=sum(self._tp_regions(i) * 2 * passes(i) for i in layers)
             + 2 * stage.first + 2 * stage.last,  # the embedding's and the head's
             moe_passes=sum(passes(i) for i in layers if not cfg.is_dense_layer(i)),
@@ -291,7 +325,7 @@ class TimeModel:
                      + ring_time(cluster, experts_local * FP32, expert_dp))
         return _Rates(
             stage,
-            flop=tokens / cluster.flops,
+            tokens=tokens,
             tp_collective=ring_time(cluster, shape.row_tokens / L.cp * cfg.d_model * ACT,
                                     Group.of(cluster, L.tp, 1)),
             moe_pass=2 * all_to_all_time(cluster, tokens * e.top_k * (e.latent_dim or cfg.d_model) * ACT,
@@ -313,12 +347,13 @@ class TimeModel:
             return share.dense(L.tp) / dense_ranks + share.experts / L.ep / expert_ranks
 
         params, adamw = shard(stage.params), shard(stage.adamw)
+        hbm = cluster.gpu.hbm_bandwidth * cluster.rates.optimizer_hbm
         if self.optimizer != "muon":
-            return ADAMW_BYTES * params / cluster.hbm
-        hbm_bytes = MUON_BYTES * (params - adamw) + ADAMW_BYTES * adamw
+            return (ADAMW_BYTES + NORM_BYTES) * params / hbm
+        hbm_bytes = MUON_BYTES * (params - adamw) + ADAMW_BYTES * adamw + NORM_BYTES * params
         ns = stage.newton_schulz
         whole_experts = not fsdp or (self.facts.expert_count // L.ep) % L.edp == 0
         flops = ns.experts / L.ep / (expert_ranks if whole_experts else 1)
         flops += ns.heads / L.tp / dense_ranks
         flops += ns.whole if fsdp else ns.whole / dense_ranks
-        return hbm_bytes / cluster.hbm + flops / cluster.flops
+        return hbm_bytes / hbm + flops / cluster.flops()

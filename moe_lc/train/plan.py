@@ -63,14 +63,16 @@ def stage_shape(stage: StagePlan) -> StageShape:
     return StageShape(stage.seq_len, stage.micro_batch, stage.sequences_per_step)
 
 
-def estimate_stage(cfg: TrainConfig, stage: StagePlan) -> StageEstimate:
-    """Memory and time of one stage under its own (resolved) layout and policy."""
+def estimate_stage(cfg: TrainConfig, stage: StagePlan, keys_per_token: Optional[float] = None) -> StageEstimate:
+    """Memory and time of one stage under its own (resolved) layout and policy (``keys_per_token``: the
+    data's mean attention keys per query where known, else one document per row)."""
     facts, shape = facts_of(cfg), stage_shape(stage)
     memory = MemoryModel(facts, shape, cfg.optim.name, cfg.compile)
     policies = [replace(stage.checkpointing, mode=mode) for mode in CheckpointMode]
     by_policy = {str(p.mode): m.activations / GiB for p, m in zip(policies, memory.price(stage.layout, policies))}
     cluster = default_cluster(stage.layout.world_size, stage.layout.gpus_per_node)
-    time = TimeModel(facts, shape, cluster, cfg.optim.name)(stage.layout, stage.checkpointing)
+    time = TimeModel(facts, shape, cluster, cfg.optim.name, cfg.compile, keys_per_token)(stage.layout,
+                                                                                        stage.checkpointing)
     return StageEstimate(stage, training_flops_per_token(cfg.model, stage.seq_len),
                          memory(stage.layout, stage.checkpointing), by_policy, time, cluster)
 
