@@ -258,4 +258,6 @@ MUTANTS: tuple[Mutant, ...] = (
            "attention FLOPs of a non-causal mask"),
     Mutant("flops-kda-grows-with-context", ACCOUNTING, "c = min(KDA_CHUNK, seq_len)", "c = seq_len",
            "KDA's intra-chunk work grows with the context"),
+    Mutant("flops-grouped-without-top-k", ACCOUNTING, "else cfg.moe.top_k * _moe_params(cfg)[1]",
+           "else _moe_params(cfg)[1]", "the grouped GEMMs priced for one routed expert a token, not k"),
 )
