@@ -118,7 +118,13 @@ class _Plan:
     seg_order: Tensor
     split_order: Tensor
     later_order: Tensor
-    compose_steps: tuple  # per step j: (sequences with a segment j, their segment j) as long tensors
+    # The composition over segments runs on [J, N] grids (J: the most segments of a sequence), step j
+    # holding every sequence's segment j: compose_index maps (j, n) to that segment, or to num_segments
+    # (an identity transition, no state added) past the sequence's last; compose_slot maps each segment
+    # to its (j, n) slot. One batched GEMM a step, whatever the documents.
+    compose_index: Tensor  # [J * N] (long)
+    compose_slot: Tensor  # [num_segments] (long)
+    compose_steps: int  # J
     last_seg: Tensor  # [N] (long): last segment of each sequence
     first_seg: Tensor  # [N] (long)
     num_chunks: int
@@ -181,21 +187,22 @@ def build_plan(seq_lens: list[int], device: torch.device, segment_chunks: int | 
               split_order, later_order)
     ints = upload_tables(tables, torch.int32, device)
 
-    first = torch.tensor(seq_seg0, dtype=torch.long)
-    nseg = torch.tensor(seq_nseg, dtype=torch.long)
-    last = first + nseg - 1
-    steps = []
-    for j in range(int(nseg.max()) if len(seq_nseg) else 0):
-        seqs = torch.nonzero(nseg > j).flatten()
-        steps.append((seqs, first[seqs] + j))
-    longs = [t for step in steps for t in step] + [last, first]
-    on_device = upload_tables(longs, torch.long, device)
+    steps = max(seq_nseg, default=0)
+    n_seqs = len(seq_lens)
+    compose_index = [len(seg_chunk0)] * (steps * n_seqs)
+    compose_slot = [0] * len(seg_chunk0)
+    for n, (seg0, count) in enumerate(zip(seq_seg0, seq_nseg)):
+        for j in range(count):
+            compose_index[j * n_seqs + n] = seg0 + j
+            compose_slot[seg0 + j] = j * n_seqs + n
+    last = [seg0 + count - 1 for seg0, count in zip(seq_seg0, seq_nseg)]
+    longs = upload_tables([compose_index, compose_slot, last, seq_seg0], torch.long, device)
     return _Plan(
         chunk_bos=ints[0], chunk_eos=ints[1], seg_chunk0=ints[2], seg_nchunks=ints[3], seg_bos=ints[4],
         seg_eos=ints[5], seq_seg0=ints[6], seq_nseg=ints[7], seg_order=ints[8], split_order=ints[9],
         later_order=ints[10],
-        compose_steps=tuple(zip(on_device[:-2:2], on_device[1:-2:2])), last_seg=on_device[-2],
-        first_seg=on_device[-1], num_chunks=len(chunk_bos), num_segments=len(seg_chunk0), num_seqs=len(seq_lens),
+        compose_index=longs[0], compose_slot=longs[1], compose_steps=steps, last_seg=longs[2],
+        first_seg=longs[3], num_chunks=len(chunk_bos), num_segments=len(seg_chunk0), num_seqs=len(seq_lens),
         segmented=len(seg_chunk0) > len(seq_lens),
     )
 
@@ -344,39 +351,53 @@ def _state_buffers(q: Tensor, v: Tensor, plan: "_Plan", cfg: dict) -> tuple[Tens
     return states, delta
 
 
+def _on_steps(per_segment: Tensor, plan: "_Plan", pad: Tensor) -> Tensor:
+    """[num_segments, ...] laid out on the composition's [J, N] grid, ``pad`` where a sequence has no segment j."""
+    padded = torch.cat([per_segment, pad.unsqueeze(0)])
+    return padded[plan.compose_index].view(plan.compose_steps, plan.num_seqs, *per_segment.shape[1:])
+
+
 def _segment_starts(kt, w, u, qg, kend, aqk, gc, plan, cfg, initial_state):
     """Pass 1 + composition: (start state of every segment, transitions [NS, H, K, K]).
 
-    The composition S_{j+1} = M_j S_j + S~_j is a short serial loop of batched fp32 matmuls.
+    The composition S_{j+1} = M_j S_j + S~_j is a short serial loop of batched fp32 GEMMs, one a step
+    over every sequence at once (an identity past a sequence's last segment).
     """
     heads, key_dim = w.shape[1], w.shape[2]
     value_dim = u.shape[-1]
     buf = _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, init=None, transition=True)
-    s_tilde, transitions = buf[..., :value_dim], buf[..., value_dim:]
-    starts = torch.empty(plan.num_segments, heads, key_dim, value_dim, device=w.device, dtype=torch.float32)
-    state = (initial_state.clone() if initial_state is not None
-             else torch.zeros(plan.num_seqs, heads, key_dim, value_dim, device=w.device, dtype=torch.float32))
-    for j, (seqs, segs) in enumerate(plan.compose_steps):
-        starts[segs] = state[seqs]
-        if j + 1 < len(plan.compose_steps):  # sequences with a segment j + 1 advance over segment j
-            seqs, later = plan.compose_steps[j + 1]
-            state[seqs] = torch.matmul(transitions[later - 1], state[seqs]) + s_tilde[later - 1]
-    return starts, transitions.contiguous()
+    s_tilde, transitions = buf[..., :value_dim], buf[..., value_dim:].contiguous()
+    eye = torch.eye(key_dim, device=w.device, dtype=torch.float32).expand(heads, key_dim, key_dim)
+    m = _on_steps(transitions, plan, eye).flatten(1, 2)  # [J, N H, K, K]
+    add = _on_steps(s_tilde, plan, s_tilde.new_zeros(heads, key_dim, value_dim)).flatten(1, 2)
+    starts = torch.empty(plan.compose_steps, plan.num_seqs * heads, key_dim, value_dim, device=w.device,
+                         dtype=torch.float32)
+    if initial_state is not None:
+        starts[0] = initial_state.reshape(-1, key_dim, value_dim)
+    else:
+        starts[0].zero_()
+    for j in range(plan.compose_steps - 1):
+        torch.baddbmm(add[j], m[j], starts[j], out=starts[j + 1])
+    return starts.view(-1, heads, key_dim, value_dim)[plan.compose_slot], transitions
 
 
 def _segment_end_grads(dpart, transitions, dfinal, plan):
     """dS at every segment end, last segment first: dS_end(j-1) = M_j^T dS_end(j) + dS~_j."""
-    num_seqs = plan.num_seqs
-    grad = (dfinal.clone() if dfinal is not None
-            else torch.zeros(num_seqs, *dpart.shape[1:], device=dpart.device, dtype=torch.float32))
-    dend = torch.empty_like(dpart)
-    for j in reversed(range(len(plan.compose_steps))):
-        seqs, segs = plan.compose_steps[j]
-        current = grad[seqs]
-        dend[segs] = current
-        if j:  # dS~ of a first segment is neither computed nor needed (its start gradient comes from the last pass)
-            grad[seqs] = torch.matmul(transitions[segs].transpose(-1, -2), current) + dpart[segs]
-    return dend
+    heads, key_dim, value_dim = dpart.shape[1:]
+    eye = torch.eye(key_dim, device=dpart.device, dtype=torch.float32).expand(heads, key_dim, key_dim)
+    m_t = _on_steps(transitions, plan, eye).flatten(1, 2).transpose(-1, -2)
+    add = _on_steps(dpart, plan, dpart.new_zeros(heads, key_dim, value_dim)).flatten(1, 2)
+    grads = torch.empty(plan.compose_steps, plan.num_seqs * heads, key_dim, value_dim, device=dpart.device,
+                        dtype=torch.float32)
+    # dfinal belongs to each sequence's last segment; identity steps past it carry it down unchanged
+    if dfinal is not None:
+        grads[-1] = dfinal.reshape(-1, key_dim, value_dim)
+    else:
+        grads[-1].zero_()
+    for j in reversed(range(1, plan.compose_steps)):
+        # dS~ of a first segment is neither computed nor needed (its start gradient comes from the last pass)
+        torch.baddbmm(add[j], m_t[j], grads[j], out=grads[j - 1])
+    return grads.view(-1, heads, key_dim, value_dim)[plan.compose_slot]
 
 
 def bwd_dtypes(chosen: str, inter: torch.dtype) -> dict[str, torch.dtype]:

@@ -457,6 +457,10 @@ def test_plan_splits_documents_into_chunks_and_segments():
     # over segments after a document's first
     assert plan.seg_order.tolist() == [1, 0, 2, 3]
     assert plan.split_order.tolist() == [1, 2] and plan.later_order.tolist() == [2]
+    # the composition's [J, N] grid: step j holds every document's segment j, or the identity (4) past its last
+    assert plan.compose_steps == 2 and plan.compose_index.tolist() == [0, 1, 3, 4, 2, 4]
+    assert plan.compose_slot.tolist() == [0, 1, 4, 2]
+    assert plan.last_seg.tolist() == [0, 2, 3] and plan.first_seg.tolist() == [0, 1, 3]
 
 
 def test_plan_tables_start_16_byte_aligned_for_any_document_lengths():
@@ -468,7 +472,6 @@ def test_plan_tables_start_16_byte_aligned_for_any_document_lengths():
         for segment_chunks in (None, 2):
             plan = build_plan(lengths, torch.device("cpu"), segment_chunks)
             tables = [getattr(plan, f.name) for f in fields(plan) if isinstance(getattr(plan, f.name), torch.Tensor)]
-            tables += [t for step in plan.compose_steps for t in step]
             assert len(tables) >= 13
             for table in tables:
                 assert table.data_ptr() % 16 == 0, (lengths, segment_chunks)
