@@ -14,7 +14,7 @@ mixtures, activations, casts, copies) priced as ``memory_passes`` reads or write
 keeps for backward without checkpointing (`moe_lc.parallel.activation_memory`); the LM head
 and the MTP module on the last stage. Full checkpointing adds one forward (a third of a layer's
 time) per checkpointed layer; selective adds a third of the memory passes over what it drops (the
-elementwise work it recomputes). Communication (bf16 activations,Communication (bf16 activations,
+elementwise work it recomputes). Communication (bf16 activations,
 sizes in bytes per micro-batch):
 
 - tp: each decoder layer's token mixer and dense GLU (dense FFN, shared experts) all-gather their
