@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -189,16 +189,35 @@ def breakdown(events: Any, device: bool) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
+def profiled_kernels(events: Any) -> Iterator[tuple[str, float]]:
+    """(name, microseconds) of every kernel, copy and memset a profiler's ``events()`` launched."""
+    for e in events:
+        if e.name not in NOT_DEVICE_WORK:
+            yield from ((k.name, k.duration) for k in e.kernels if k.name not in NOT_DEVICE_WORK)
+
+
+def kernel_table(rows: Iterable[tuple[str, str, float]]) -> dict[str, dict[str, tuple[float, int]]]:
+    """(group, kernel, microseconds) rows summed as {group: {kernel: (milliseconds, launches)}}, each
+    group's kernels largest first."""
+    table: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    for group, name, us in rows:
+        cell = table[group][name]
+        cell[0] += us / 1e3
+        cell[1] += 1
+    return {g: {k: (ms, n) for k, (ms, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])}
+            for g, kernels in table.items()}
+
+
+def kernel_lines(kernels: dict[str, tuple[float, int]], rows: int, name_width: int) -> list[str]:
+    """The ``rows`` largest of one group's kernels (``kernel_table``), one line each."""
+    return [f"  {ms:9.2f} ms {n:6d}x  {name[:name_width]}" for name, (ms, n) in list(kernels.items())[:rows]]
+
+
 def kernels_by_component(events: Any, device: bool) -> dict[str, dict[str, tuple[float, int]]]:
     """Per component, each kernel's (milliseconds, launches), largest first: what a component's
     time is made of (its GEMMs against its copies and elementwise kernels)."""
-    table: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
-    for owner, name, us in _charged(events, device):
-        cell = table[owner][name]
-        cell[0] += us / 1e3
-        cell[1] += 1
-    order = sorted(table, key=lambda c: -sum(ms for ms, _ in table[c].values()))
-    return {c: {k: (ms, n) for k, (ms, n) in sorted(table[c].items(), key=lambda kv: -kv[1][0])} for c in order}
+    table = kernel_table(_charged(events, device))
+    return dict(sorted(table.items(), key=lambda kv: -sum(ms for ms, _ in kv[1].values())))
 
 
 def format_kernels_by_component(table: dict[str, dict[str, tuple[float, int]]], rows: int = 15,
@@ -208,8 +227,7 @@ def format_kernels_by_component(table: dict[str, dict[str, tuple[float, int]]], 
     for component, kernels in table.items():
         total = sum(ms for ms, _ in kernels.values())
         lines.append(f"{component}: {total:.1f} ms in {sum(n for _, n in kernels.values())} launches")
-        for name, (ms, n) in list(kernels.items())[:rows]:
-            lines.append(f"  {ms:9.2f} ms {n:6d}x  {name[:name_width]}")
+        lines += kernel_lines(kernels, rows, name_width)
         lines.append("")
     return "\n".join(lines)
 

@@ -19,10 +19,10 @@ says what kind of work it is, which is what a time model prices at one rate each
 from __future__ import annotations
 
 import sys
-from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any, Optional
 
+from moe_lc.metrics.breakdown import kernel_lines, kernel_table
 from moe_lc.metrics.gaps import load_trace
 
 KINDS = ("dense_gemm", "grouped_gemm", "attention", "kda", "optimizer", "communication", "memory")
@@ -60,13 +60,8 @@ def kernel_kind(name: str) -> str:
 def kernels_by_kind(kernels: Iterable[tuple[str, float]]) -> dict[str, dict[str, tuple[float, int]]]:
     """(name, microseconds) pairs summed per kind and kernel: {kind: {name: (ms, launches)}}, every kind
     present (empty where none ran), kernels largest first."""
-    table: dict[str, dict[str, list]] = {kind: defaultdict(lambda: [0.0, 0]) for kind in KINDS}
-    for name, us in kernels:
-        cell = table[kernel_kind(name)][name]
-        cell[0] += us / 1e3
-        cell[1] += 1
-    return {kind: {k: (ms, n) for k, (ms, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])}
-            for kind, rows in table.items()}
+    table = kernel_table((kernel_kind(name), name, us) for name, us in kernels)
+    return {kind: table.get(kind, {}) for kind in KINDS}
 
 
 def kind_totals(table: dict[str, dict[str, tuple[float, int]]]) -> dict[str, float]:
@@ -91,8 +86,7 @@ def format_kinds(table: dict[str, dict[str, tuple[float, int]]], rows: int = 8, 
             continue
         launches = sum(n for _, n in table[kind].values())
         lines.append(f"{kind}: {totals[kind]:.1f} ms ({totals[kind] / whole:.1%}) in {launches} launches")
-        for name, (ms, n) in list(table[kind].items())[:rows]:
-            lines.append(f"  {ms:9.2f} ms {n:6d}x  {name[:name_width]}")
+        lines += kernel_lines(table[kind], rows, name_width)
     return "\n".join(lines)
 
 

@@ -32,6 +32,7 @@ import contextlib
 import json
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, TextIO
@@ -45,7 +46,7 @@ from moe_lc.metrics import (
     device_memory_bytes, device_peak_flops, measured_matmul_peak, mfu, peak_memory_bytes, reset_peak_memory,
 )
 from moe_lc.metrics.breakdown import (breakdown, component_ranges, format_kernels_by_component, host_breakdown, idle_share,
-                                      kernels_by_component)
+                                      kernels_by_component, profiled_kernels)
 from moe_lc.metrics.gaps import find_gaps, format_gaps, load_trace
 from moe_lc.metrics.kernel_kinds import device_kernels, format_kinds, kernels_by_kind
 from moe_lc.metrics.memory import allocator_counters
@@ -276,8 +277,7 @@ def _profile(taken_steps, model: torch.nn.Module, device: torch.device, show, mi
         _write_trace(prof, trace_prefix, on_gpu)
         table = format_kernels_by_component(kernels_by_component(events, device=on_gpu))
         Path(f"{trace_prefix}_kernels.txt").write_text(table + "\n")
-        trace = Path(f"{trace_prefix}_trace.json")
-        _write_kinds(load_trace(trace), trace)
+        _write_kinds(profiled_kernels(events), Path(f"{trace_prefix}_trace.json"))
     per_step = {name: ms / PROFILED_STEPS for name, ms in breakdown(events, device=on_gpu).items()}
     host = {name: ms / PROFILED_STEPS for name, ms in host_breakdown(events).items()}
     return Profiled(PROFILED_STEPS, micro_batches, sum(times) / len(times), per_step,
@@ -308,13 +308,13 @@ def _write_gaps(taken_steps, show, prefix: Path) -> None:
     events = load_trace(trace)
     gaps, window, busy = find_gaps(events)
     Path(f"{prefix}_gaps.txt").write_text(format_gaps(gaps, window, busy))
-    _write_kinds(events, trace)
+    _write_kinds(device_kernels(events), trace)
 
 
-def _write_kinds(events: list[dict[str, Any]], trace: Path) -> None:
-    """A trace's kernel time by kind (GEMMs, attention, KDA, optimizer, memory-bound), next to it as
-    ``*_kinds.txt``: the shares a step-time model prices at one rate each."""
-    table = kernels_by_kind(device_kernels(events))
+def _write_kinds(kernels: Iterable[tuple[str, float]], trace: Path) -> None:
+    """A traced step's kernel time by kind (GEMMs, attention, KDA, optimizer, memory-bound), next to its
+    trace as ``*_kinds.txt``: the shares a step-time model prices at one rate each."""
+    table = kernels_by_kind(kernels)
     trace.with_name(trace.name.replace(".json", "_kinds.txt")).write_text(format_kinds(table) + "\n")
 
 
