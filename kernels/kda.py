@@ -351,10 +351,17 @@ def _state_buffers(q: Tensor, v: Tensor, plan: "_Plan", cfg: dict) -> tuple[Tens
     return states, delta
 
 
-def _on_steps(per_segment: Tensor, plan: "_Plan", pad: Tensor) -> Tensor:
-    """[num_segments, ...] laid out on the composition's [J, N] grid, ``pad`` where a sequence has no segment j."""
-    padded = torch.cat([per_segment, pad.unsqueeze(0)])
-    return padded[plan.compose_index].view(plan.compose_steps, plan.num_seqs, *per_segment.shape[1:])
+def _on_steps(transitions: Tensor, increments: Tensor, plan: "_Plan") -> tuple[Tensor, Tensor, Tensor]:
+    """The composition's operands on its [J, N H] grid (step j: every sequence's segment j): the
+    transitions [J, N H, K, K] and increments [J, N H, K, V], an identity and zero past a sequence's
+    last segment, and an empty fp32 grid of states for the steps."""
+    heads, key_dim, value_dim = increments.shape[1:]
+    eye = torch.eye(key_dim, device=increments.device, dtype=torch.float32).expand(1, heads, key_dim, key_dim)
+    grid = (plan.compose_steps, plan.num_seqs * heads)
+    m = torch.cat([transitions, eye])[plan.compose_index].view(*grid, key_dim, key_dim)
+    add = torch.cat([increments, increments.new_zeros(1, heads, key_dim, value_dim)])[plan.compose_index]
+    states = torch.empty(*grid, key_dim, value_dim, device=increments.device, dtype=torch.float32)
+    return m, add.view(*grid, key_dim, value_dim), states
 
 
 def _segment_starts(kt, w, u, qg, kend, aqk, gc, plan, cfg, initial_state):
@@ -367,11 +374,7 @@ def _segment_starts(kt, w, u, qg, kend, aqk, gc, plan, cfg, initial_state):
     value_dim = u.shape[-1]
     buf = _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, init=None, transition=True)
     s_tilde, transitions = buf[..., :value_dim], buf[..., value_dim:].contiguous()
-    eye = torch.eye(key_dim, device=w.device, dtype=torch.float32).expand(heads, key_dim, key_dim)
-    m = _on_steps(transitions, plan, eye).flatten(1, 2)  # [J, N H, K, K]
-    add = _on_steps(s_tilde, plan, s_tilde.new_zeros(heads, key_dim, value_dim)).flatten(1, 2)
-    starts = torch.empty(plan.compose_steps, plan.num_seqs * heads, key_dim, value_dim, device=w.device,
-                         dtype=torch.float32)
+    m, add, starts = _on_steps(transitions, s_tilde, plan)
     if initial_state is not None:
         starts[0] = initial_state.reshape(-1, key_dim, value_dim)
     else:
@@ -384,11 +387,7 @@ def _segment_starts(kt, w, u, qg, kend, aqk, gc, plan, cfg, initial_state):
 def _segment_end_grads(dpart, transitions, dfinal, plan):
     """dS at every segment end, last segment first: dS_end(j-1) = M_j^T dS_end(j) + dS~_j."""
     heads, key_dim, value_dim = dpart.shape[1:]
-    eye = torch.eye(key_dim, device=dpart.device, dtype=torch.float32).expand(heads, key_dim, key_dim)
-    m_t = _on_steps(transitions, plan, eye).flatten(1, 2).transpose(-1, -2)
-    add = _on_steps(dpart, plan, dpart.new_zeros(heads, key_dim, value_dim)).flatten(1, 2)
-    grads = torch.empty(plan.compose_steps, plan.num_seqs * heads, key_dim, value_dim, device=dpart.device,
-                        dtype=torch.float32)
+    m, add, grads = _on_steps(transitions, dpart, plan)
     # dfinal belongs to each sequence's last segment; identity steps past it carry it down unchanged
     if dfinal is not None:
         grads[-1] = dfinal.reshape(-1, key_dim, value_dim)
@@ -396,7 +395,7 @@ def _segment_end_grads(dpart, transitions, dfinal, plan):
         grads[-1].zero_()
     for j in reversed(range(1, plan.compose_steps)):
         # dS~ of a first segment is neither computed nor needed (its start gradient comes from the last pass)
-        torch.baddbmm(add[j], m_t[j], grads[j], out=grads[j - 1])
+        torch.baddbmm(add[j], m[j].transpose(-1, -2), grads[j], out=grads[j - 1])
     return grads.view(-1, heads, key_dim, value_dim)[plan.compose_slot]
 
 

@@ -194,9 +194,9 @@ def layer_training_flops_by_kind(cfg: ModelConfig, layer_idx: int, seq_len: int,
 
 
 def layer_training_flops(cfg: ModelConfig, layer_idx: int, seq_len: int, keys_per_token: Optional[float] = None) -> float:
-    """Forward + backward FLOPs per token of decoder layer ``layer_idx`` (``num_layers``: the MTP layer)."""
-    kind = cfg.pattern[layer_idx] if layer_idx < cfg.num_layers else "M"
-    return 3.0 * (2.0 * layer_matmul_parameters(cfg, layer_idx) + mixing_flops_per_layer(cfg, seq_len, keys_per_token)[kind])
+    """Forward + backward FLOPs per token of decoder layer ``layer_idx`` (``num_layers``: the MTP layer):
+    3 x (2 x its matmul parameters + its token mixing)."""
+    return sum(layer_training_flops_by_kind(cfg, layer_idx, seq_len, keys_per_token).values())
 
 
 def head_training_flops(cfg: ModelConfig) -> float:
