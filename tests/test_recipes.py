@@ -44,6 +44,21 @@ def test_recipes_ship_inside_the_package():
     assert [f for f in files if not any(fnmatch.fnmatch(f, g) and f.count("/") == g.count("/") for g in globs)] == []
 
 
+def test_every_package_is_listed_for_the_wheel():
+    """pyproject lists packages by hand (kernels/ and recipes/ are mapped), and a package left off
+    is missing from a wheel install though an editable install still imports it from the tree."""
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[1]
+    tool = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = {"moe_lc": "moe_lc", **tool["package-dir"]}
+    found = {
+        ".".join([top, *init.parent.relative_to(root / where).parts])
+        for top, where in dirs.items()
+        for init in (root / where).rglob("__init__.py")
+    }
+    assert sorted(found - set(tool["packages"])) == []
+
+
 @pytest.mark.parametrize("recipe", sorted(SHIPPED))
 def test_every_recipe_composes_validates_and_plans(recipe):
     cfg = compose_recipe(recipe)
