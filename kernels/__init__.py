@@ -14,10 +14,14 @@ from typing import Any
 
 __all__ = ["triton_available", "chunk_kda_fused", "chunk_kda_triton"]
 
+# Looked up once: the ops ask on every call, some from inside compiled regions, where torch 2.11's
+# Dynamo will not trace importlib's find_spec and breaks the graph at each call.
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
 
 def triton_available(device_type: str = "cuda") -> bool:
     """True when Triton is installed and can run on ``device_type`` (CPU only under TRITON_INTERPRET=1)."""
-    if importlib.util.find_spec("triton") is None:
+    if not _TRITON_INSTALLED:
         return False
     if device_type == "cpu":
         return os.environ.get("TRITON_INTERPRET") == "1"
