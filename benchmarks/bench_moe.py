@@ -119,7 +119,7 @@ def pinned_routing(moe: LatentMoE, x_flat: torch.Tensor) -> tuple[torch.Tensor, 
     saved = moe.balancer.bias.clone()
     moe.balancer.bias[list(EMPTY_EXPERTS)] = -1e4
     with torch.no_grad():
-        _, topk_idx, weights = moe.route(x_flat)
+        _, topk_idx, weights = moe.route(moe.router(x_flat))
     moe.balancer.bias.copy_(saved)
     return topk_idx, weights.detach()
 

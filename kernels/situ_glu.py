@@ -33,7 +33,7 @@ class _SituGluFunction(torch.autograd.Function):
 
         h = torch.empty_like(a)
         if a.numel():
-            _launch(kt.situ_glu_fwd_kernel, a.numel(), a, c, h, a.numel(), 1, beta1, beta2)
+            _launch(kt.situ_glu_fwd_kernel, a.numel(), a, c, h, a.numel(), 1, 0, beta1, beta2)
         ctx.save_for_backward(a, c)
         ctx.betas = (beta1, beta2)
         return h
@@ -46,23 +46,24 @@ class _SituGluFunction(torch.autograd.Function):
         dh = dh.contiguous()
         da, dc = torch.empty_like(a), torch.empty_like(c)
         if a.numel():
-            _launch(kt.situ_glu_bwd_kernel, a.numel(), a, c, dh, da, dc, a.numel(), 1, *ctx.betas)
+            _launch(kt.situ_glu_bwd_kernel, a.numel(), a, c, dh, da, dc, a.numel(), 1, 0, 0, *ctx.betas)
         return da, dc, None, None
 
 
 class _StackedSituGluFunction(torch.autograd.Function):
-    """SiTU of the halves of each row of y [rows, 2 hidden]; the backward writes dy in one tensor
-    (no concatenation of da and dc for the GEMM before it, which produced y as one output)."""
+    """SiTU of the halves of each row of y [rows, 2 hidden] (rows ``y.stride(0)`` elements apart); the
+    backward writes dy in one contiguous tensor (no concatenation of da and dc for the GEMM before
+    it, which produced y as one output)."""
 
     @staticmethod
     def forward(ctx, y: Tensor, beta1: float, beta2: float) -> Tensor:
         from moe_lc_kernels import situ_glu_triton as kt
 
         hidden = y.shape[-1] // 2
-        h = y.new_empty(*y.shape[:-1], hidden)
+        h = y.new_empty(y.shape[0], hidden)
         if h.numel():
-            _launch(kt.situ_glu_fwd_kernel, h.numel(), y, y[..., hidden:], h, h.numel(), hidden, beta1, beta2,
-                    stacked=True)
+            _launch(kt.situ_glu_fwd_kernel, h.numel(), y, y[:, hidden:], h, h.numel(), hidden, _row_stride(y),
+                    beta1, beta2, stacked=True)
         ctx.save_for_backward(y)
         ctx.betas = (beta1, beta2)
         return h
@@ -74,11 +75,16 @@ class _StackedSituGluFunction(torch.autograd.Function):
         y, = ctx.saved_tensors
         hidden = y.shape[-1] // 2
         dh = dh.contiguous()
-        dy = torch.empty_like(y)
+        dy = y.new_empty(y.shape[0], 2 * hidden)
         if dh.numel():
-            _launch(kt.situ_glu_bwd_kernel, dh.numel(), y, y[..., hidden:], dh, dy, dy[..., hidden:], dh.numel(),
-                    hidden, *ctx.betas, stacked=True)
+            _launch(kt.situ_glu_bwd_kernel, dh.numel(), y, y[:, hidden:], dh, dy, dy[:, hidden:], dh.numel(),
+                    hidden, _row_stride(y), 2 * hidden, *ctx.betas, stacked=True)
         return dy, None, None
+
+
+def _row_stride(y: Tensor) -> int:
+    """Elements between the rows of a 2-D y whose last dim is contiguous."""
+    return y.stride(0) if y.shape[0] > 1 else y.shape[1]
 
 
 def situ_glu_triton(a: Tensor, c: Tensor, beta1: float = 4.0, beta2: float = 25.0) -> Tensor:
@@ -101,4 +107,8 @@ def situ_glu_stacked_triton(y: Tensor, beta1: float = 4.0, beta2: float = 25.0) 
     if y.shape[-1] % 2 or y.dtype not in DTYPES:
         raise ValueError(f"situ_glu_stacked_triton: y must be fp32/bf16/fp16 with an even last dim, got "
                          f"{tuple(y.shape)} {y.dtype}")
-    return _StackedSituGluFunction.apply(y.contiguous(), float(beta1), float(beta2))
+    rows = y.reshape(-1, y.shape[-1])  # a view for a contiguous y or a 2-D one with strided rows
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    h = _StackedSituGluFunction.apply(rows, float(beta1), float(beta2))
+    return h.view(*y.shape[:-1], y.shape[-1] // 2)

@@ -3,7 +3,8 @@
 Elementwise over contiguous, equally shaped a, c (any shape, seen flat): each program owns BLOCK
 consecutive elements of h. STACKED: a and c are the two halves of each row of one [rows, 2 hidden]
 tensor (gate columns first; the grouped GEMM over the stacked weights writes it so), c the pointer
-``hidden`` elements past a, and the backward writes da and dc into one such tensor too. Math in fp32, loads and stores in the tensors' dtype. Offsets are int64: a
+``hidden`` elements past a; its rows may lie ``row_stride`` elements apart (columns of a wider GEMM
+output), and the backward writes da and dc into one contiguous [rows, 2 hidden] tensor. Math in fp32, loads and stores in the tensors' dtype. Offsets are int64: a
 [tokens, hidden] activation can exceed 2^31 elements.
 
 tanh and sigmoid are written out from one exp each so that every quantity keeps its relative
@@ -48,20 +49,22 @@ def _sigmoid_pair(x):
 
 
 @triton.jit
-def _source(offs, hidden: tl.constexpr, STACKED: tl.constexpr):
-    """Where element ``offs`` of h reads a and c: the same place, or in a row of 2 hidden values
-    (``hidden`` a compile-time constant, so that the division is a multiply and shift)."""
+def _source(offs, hidden: tl.constexpr, row_stride, STACKED: tl.constexpr):
+    """Where element ``offs`` of h reads a and c: the same place, or in rows ``row_stride`` elements
+    apart whose first 2 hidden values are [a, c] (``hidden`` a compile-time constant, so that the
+    division is a multiply and shift)."""
     if STACKED:
-        return (offs // hidden) * (2 * hidden) + offs % hidden
+        return (offs // hidden) * row_stride + offs % hidden
     return offs
 
 
 @triton.jit
-def situ_glu_fwd_kernel(a, c, h, n, hidden: tl.constexpr, beta1, beta2, BLOCK: tl.constexpr, STACKED: tl.constexpr):
+def situ_glu_fwd_kernel(a, c, h, n, hidden: tl.constexpr, row_stride, beta1, beta2, BLOCK: tl.constexpr,
+                        STACKED: tl.constexpr):
     """h = (b1 tanh(a/b1) sigmoid(a)) (b2 tanh(c/b2)) in h's dtype."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    src = _source(offs, hidden, STACKED)
+    src = _source(offs, hidden, row_stride, STACKED)
     av = tl.load(a + src, mask=mask, other=0.0).to(tl.float32)
     cv = tl.load(c + src, mask=mask, other=0.0).to(tl.float32)
     t1, _ = _tanh_sech2(av * (1.0 / beta1))
@@ -72,13 +75,13 @@ def situ_glu_fwd_kernel(a, c, h, n, hidden: tl.constexpr, beta1, beta2, BLOCK: t
 
 
 @triton.jit
-def situ_glu_bwd_kernel(a, c, dh, da, dc, n, hidden: tl.constexpr, beta1, beta2, BLOCK: tl.constexpr,
-                        STACKED: tl.constexpr):
+def situ_glu_bwd_kernel(a, c, dh, da, dc, n, hidden: tl.constexpr, row_stride, grad_row_stride, beta1, beta2,
+                        BLOCK: tl.constexpr, STACKED: tl.constexpr):
     """da = dh u (sech^2(a/b1) s + g s (1 - s)), dc = dh g s sech^2(c/b2), with g = b1 tanh(a/b1),
     s = sigmoid(a), u = b2 tanh(c/b2) recomputed from a and c (h is not kept)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    src = _source(offs, hidden, STACKED)
+    src = _source(offs, hidden, row_stride, STACKED)
     av = tl.load(a + src, mask=mask, other=0.0).to(tl.float32)
     cv = tl.load(c + src, mask=mask, other=0.0).to(tl.float32)
     g_out = tl.load(dh + offs, mask=mask, other=0.0).to(tl.float32)
@@ -89,5 +92,6 @@ def situ_glu_bwd_kernel(a, c, dh, da, dc, n, hidden: tl.constexpr, beta1, beta2,
     up = beta2 * t2
     d_a = g_out * up * (sech1 * s + g * s * one_minus_s)
     d_c = g_out * (g * s) * sech2
-    tl.store(da + src, d_a.to(da.dtype.element_ty), mask=mask)
-    tl.store(dc + src, d_c.to(dc.dtype.element_ty), mask=mask)
+    dst = _source(offs, hidden, grad_row_stride, STACKED)
+    tl.store(da + dst, d_a.to(da.dtype.element_ty), mask=mask)
+    tl.store(dc + dst, d_c.to(dc.dtype.element_ty), mask=mask)

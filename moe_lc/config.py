@@ -93,6 +93,10 @@ class MoEConfig:
     qb_ema: float = 0.0  # 0 = no EMA over steps
     sign_rate: float = 1e-3  # sign-update step size
     aux_loss_coef: float = 1e-3
+    # The router, the latent down-projection and the shared experts' gate and input projections all
+    # read x: one GEMM over their stacked weights (x cast and kept once, dx one GEMM instead of four
+    # and their sums). Plain weights only (not tp's DTensors, not float8 linears).
+    fused_projections: bool = True
 
 
 @dataclass

@@ -246,6 +246,7 @@ MOE_CASES = {
     "swiglu-one-shared-top-3": dataclasses.replace(MOE, activation="swiglu", num_shared=1, top_k=3,
                                                             routing_scale=1.0),
     "sign-balancing": dataclasses.replace(MOE, balancing="sign"),  # selects with its own top-k, not QB's cutoff
+    "separate-projections": dataclasses.replace(MOE, fused_projections=False),
 }
 
 
@@ -262,9 +263,42 @@ def test_latent_moe(case):
     assert_matches(lambda: moe(x), lambda: ref.latent_moe(moe, x.reshape(-1, D), EPS).reshape(x.shape), leaves)
 
 
+def test_moe_input_projections_are_one_gemm_for_plain_weights(monkeypatch):
+    """fused_projections (test_latent_moe checks its math) computes the router's logits, z and the
+    shared experts' gate and input projections as one GEMM of x; where the shared experts' weights
+    are not plain nn.Linears (float8, tensor parallelism) the router and W_down stay stacked and the
+    shared experts run on their own, and with fused_projections off the router, W_down and the shared experts each run their own."""
+    linears = []
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda x, w, *a: linears.append(w.shape[0]) or real_linear(x, w, *a))
+    cfg = MOE
+    moe = randomize(LatentMoE(D, cfg, EPS).double(), seed=20, bias_scale=0.15).eval()
+    x = inputs(2, 20, seed=21, scale=2.0)
+    want = moe(x)
+    shared = 2 * cfg.num_shared * cfg.expert_hidden
+    E, latent = cfg.num_routed, cfg.latent_dim
+    assert linears == [E + latent + shared, D, D]  # stacked; W_up; the shared experts' W_out
+
+    class OtherLinear(torch.nn.Linear):
+        pass
+
+    other = OtherLinear(D, moe.shared.w_gate.out_features, bias=False).double()
+    other.weight.data.copy_(moe.shared.w_gate.weight)
+    moe.shared.w_gate = other
+    linears.clear()
+    assert rel(moe(x), want) < FLOAT64_RTOL
+    assert linears == [E + latent, D, shared // 2, shared // 2, D]
+    separate = LatentMoE(D, dataclasses.replace(cfg, fused_projections=False), EPS).double().eval()
+    separate.load_state_dict(moe.state_dict())
+    linears.clear()
+    assert rel(separate(x), want) < FLOAT64_RTOL
+    assert linears == [E, latent, D, shared, D]  # the shared experts stack their own two (GatedFFN)
+
+
 def test_router_scores_are_fp32_for_bf16_activations():
     moe = LatentMoE(D, MOE, EPS).bfloat16()
-    scores, _, weights = moe.route(torch.randn(5, D).bfloat16())
+    scores, _, weights = moe.route(moe.router(torch.randn(5, D).bfloat16()))
     assert scores.dtype == torch.float32 and weights.dtype == torch.float32
     assert rel(weights.sum(-1), torch.full((5,), MOE.routing_scale)) < 1e-6
 

@@ -126,6 +126,25 @@ def test_stacked_halves_are_the_same_math_read_and_written_in_place(dtype, small
     torch.testing.assert_close(swiglu, torch.nn.functional.silu(a) * c, **close)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacked_halves_may_be_columns_of_a_wider_output(dtype, small_blocks):
+    """y = [a | c] as columns of a wider GEMM output (``LatentMoE`` stacks the router and W_down with
+    the shared experts' weights): the kernel reads the strided rows in place, bit for bit what it
+    computes from the same y made contiguous, and writes dy contiguous."""
+    a, c, dh = inputs(dtype)
+    wide = torch.cat([torch.randn(a.shape[0], 5).to(dtype), a, c, torch.randn(a.shape[0], 3).to(dtype)], dim=-1)
+    wide.requires_grad_(True)
+    y = wide[:, 5:5 + 2 * a.shape[-1]]
+    assert y.stride(0) == wide.shape[1] and not y.is_contiguous()
+    h = glu_activation_stacked(y, "situ", B1, B2, backend="triton")
+    dwide, = torch.autograd.grad(h, wide, dh)
+    y_dense = y.detach().contiguous().requires_grad_(True)
+    h_dense = glu_activation_stacked(y_dense, "situ", B1, B2, backend="triton")
+    dy_dense, = torch.autograd.grad(h_dense, y_dense, dh)
+    assert torch.equal(h, h_dense) and torch.equal(dwide[:, 5:5 + 2 * a.shape[-1]], dy_dense)
+    assert not dwide[:, :5].any() and not dwide[:, 5 + 2 * a.shape[-1]:].any()
+
+
 def test_backward_keeps_only_a_and_c():
     """h is recomputed in backward, never stored: the autograd graph holds exactly a and c."""
     a, c, _ = inputs(torch.float32, shape=(8, 16))

@@ -41,10 +41,21 @@ class GatedFFN(nn.Module):
         self.activation_backend = activation_backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if stackable(self.w_gate) and stackable(self.w_in):
-            y = stacked_linear(x, [self.w_gate.weight, self.w_in.weight])
-            h = glu_activation_stacked(y, self.activation, self.beta1, self.beta2, self.activation_backend)
-        else:
-            a, c = self.w_gate(x), self.w_in(x)
-            h = glu_activation(a, c, self.activation, self.beta1, self.beta2, self.activation_backend)
+        if self.stackable():
+            return self.from_gate_in(stacked_linear(x, self.stacked_weights()))
+        a, c = self.w_gate(x), self.w_in(x)
+        return self.w_out(glu_activation(a, c, self.activation, self.beta1, self.beta2, self.activation_backend))
+
+    def stackable(self) -> bool:
+        """Whether W_gate and W_in are plain weights that one GEMM can take stacked."""
+        return stackable(self.w_gate) and stackable(self.w_in)
+
+    def stacked_weights(self) -> list[torch.Tensor]:
+        """[W_gate, W_in]: the rows of the stacked projection whose output ``from_gate_in`` takes."""
+        return [self.w_gate.weight, self.w_in.weight]
+
+    def from_gate_in(self, y: torch.Tensor) -> torch.Tensor:
+        """W_out act(a, c) from y = [a, c] [..., 2 hidden], the stacked projection's output. y's rows may
+        be columns of a wider GEMM's output (``LatentMoE`` stacks more projections of x with these)."""
+        h = glu_activation_stacked(y, self.activation, self.beta1, self.beta2, self.activation_backend)
         return self.w_out(h)

@@ -27,6 +27,7 @@ from moe_lc.model.norm import RMSNorm
 from moe_lc.model.precision import upcast
 from moe_lc.ops.accumulate import accumulate_
 from moe_lc.ops.grouped_experts import grouped_glu, grouped_glu_stacked, resolve_backend
+from moe_lc.ops.stacked_linear import stackable, stacked_linear
 
 
 class RoutedExperts(nn.Module):
@@ -235,9 +236,31 @@ class LatentMoE(nn.Module):
         )
         self.aux_loss: Optional[torch.Tensor] = None
 
-    def route(self, x_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Router scores (fp32), selected experts and their normalised weights."""
-        scores = torch.sigmoid(upcast(self.router(x_flat)))
+    def input_projections(
+        self, x_flat: torch.Tensor
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """What the layer computes from x first: the router's logits, z = W_down x (None without a
+        latent space) and the shared experts' stacked gate and input projection (None where they
+        run on their own: no shared experts, or weights that cannot be stacked).
+
+        With ``fused_projections`` and plain weights (``stackable``) these are one GEMM over the
+        stacked weights, split by columns: x is cast to autocast's dtype and kept for backward once
+        instead of three times, and dx is one GEMM instead of three and their sum; the router's
+        narrow GEMM (64 columns) runs inside a wide one."""
+        linears = [self.router] + ([self.latent_down] if self.cfg.latent_dim is not None else [])
+        shared = self.shared is not None and self.shared.stackable()
+        if not (self.cfg.fused_projections and all(stackable(m) for m in linears)):
+            return self.router(x_flat), (self.latent_down(x_flat) if len(linears) > 1 else None), None
+        weights = [m.weight for m in linears] + (self.shared.stacked_weights() if shared else [])
+        widths = [m.out_features for m in linears] + ([sum(w.shape[0] for w in weights[len(linears):])] if shared else [])
+        pieces = list(stacked_linear(x_flat, weights).split(widths, dim=-1))
+        logits = pieces.pop(0)
+        z = pieces.pop(0) if len(linears) > 1 else None
+        return logits, z, (pieces.pop(0) if shared else None)
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Router scores (fp32) from the router's logits, selected experts and their normalised weights."""
+        scores = torch.sigmoid(upcast(logits))
         topk_idx = self.balancer.select(scores.detach())
         picked = scores.gather(1, topk_idx)
         weights = picked / picked.sum(-1, keepdim=True) * self.cfg.routing_scale
@@ -253,12 +276,14 @@ class LatentMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x_flat = x.reshape(-1, shape[-1])
-        _, topk_idx, weights = self.route(x_flat)
-        if self.cfg.latent_dim is not None:
-            u = self.routed(self.latent_down(x_flat), topk_idx, weights)
-            y = self.latent_up(self.latent_norm(u))
+        logits, z, shared_gate_in = self.input_projections(x_flat)
+        _, topk_idx, weights = self.route(logits)
+        if z is not None:
+            y = self.latent_up(self.latent_norm(self.routed(z, topk_idx, weights)))
         else:
             y = self.routed(x_flat, topk_idx, weights)
-        if self.shared is not None:
+        if shared_gate_in is not None:
+            y = y + self.shared.from_gate_in(shared_gate_in)
+        elif self.shared is not None:
             y = y + self.shared(x_flat)
         return y.view(shape)

@@ -239,10 +239,14 @@ def _moe(t: _Tally, cfg: ModelConfig, path: ExecutionPath) -> None:
     if e.num_shared:
         _glu(t, 1, e.num_shared * e.expert_hidden, e.activation, path)
         t.matmul(A * d, saved=False)
+        if e.fused_projections and path.fused:  # the fused SiTU keeps its input, columns of the stacked
+            t.saved(A * (e.num_routed + (e.latent_dim or 0)))  # projection: the router's and z's stay too
 
 
 def _moe_readers(cfg: ModelConfig) -> int:
     e = cfg.moe
+    if e.fused_projections:
+        return 1  # one GEMM of x for the router, W_down and the shared experts
     return 1 + bool(e.latent_dim) + bool(e.num_shared)  # the shared experts' two GEMMs are one (GatedFFN)
 
 

@@ -152,6 +152,8 @@ def _keep_experts_out_of_the_graph(moe: LatentMoE) -> None:
     for expert_module in (moe.experts, moe.shared):
         if expert_module is not None:
             expert_module.forward = torch.compiler.disable(expert_module.forward, recursive=True)
+    if moe.shared is not None:  # what the layer calls where the shared experts' projection is stacked with its own
+        moe.shared.from_gate_in = torch.compiler.disable(moe.shared.from_gate_in, recursive=True)
 
 
 def compiled_modules(model: nn.Module) -> list[str]:
