@@ -97,6 +97,8 @@ class MoEConfig:
     # read x: one GEMM over their stacked weights (x cast and kept once, dx one GEMM instead of four
     # and their sums). Plain weights only (not tp's DTensors, not float8 linears).
     fused_projections: bool = True
+    # the token permutation around the experts (moe_lc.ops.token_permutation): auto | torch | triton
+    dispatch_backend: str = "auto"
 
 
 @dataclass

@@ -23,7 +23,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from moe_lc.config import MoEConfig  # noqa: E402
-from moe_lc.model.moe import LatentMoE, combine_by_token, sort_by_expert  # noqa: E402
+from moe_lc.model.moe import LatentMoE  # noqa: E402
+from moe_lc.ops.token_permutation import combine_by_token, sort_by_expert  # noqa: E402
 from moe_lc.ops.grouped_experts import autocast_operands, grouped_glu, resolve_backend  # noqa: E402
 from moe_lc_kernels import triton_available  # noqa: E402
 

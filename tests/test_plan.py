@@ -201,15 +201,23 @@ def test_the_time_model_predicts_the_steps_measured_on_an_h200_within_10_percent
 def test_compiled_moe_glue_keeps_the_expert_outputs_not_their_fp32_copy():
     """The combine's weighting needs the expert outputs for the routing weights' gradient: eager bf16
     keeps their fp32 upcast (4 bytes a value), the compiled glue the bf16 outputs themselves (2);
-    the sum over the k slots keeps nothing. The regional compile is on only where it runs: one GPU."""
+    the sum over the k slots keeps nothing; the Triton combine (the GPU default) keeps the bf16 outputs
+    and each slot's row index, compiled or not. The regional compile is on only where it runs: one GPU."""
     cfg = get_preset("k3-small")
     moe = cfg.moe
+    moe.dispatch_backend = "torch"
     eager = layer_activations(cfg, GPU_AUTOCAST)
     compiled = layer_activations(cfg, gpu_execution_path(layout(1), RegionalCompile(enabled="auto")))
     per_moe_layer = (4 - 2) * moe.top_k * moe.latent_dim
     for e, c, i in zip(eager, compiled, range(cfg.num_layers)):
         assert e.none - c.none == (0 if cfg.is_dense_layer(i) else per_moe_layer), e.label
         assert e.selective == c.selective
+    moe.dispatch_backend = "auto"
+    for path in (GPU_AUTOCAST, gpu_execution_path(layout(1), RegionalCompile(enabled="auto"))):
+        for e, t, i in zip(eager, layer_activations(cfg, path), range(cfg.num_layers)):
+            moe_layer = not cfg.is_dense_layer(i)
+            assert e.none - t.none == moe_layer * (per_moe_layer - 8 * moe.top_k), e.label  # int64 rows
+            assert e.selective == t.selective
     assert not gpu_execution_path(layout(8), RegionalCompile(enabled="auto")).compiled_moe  # auto: one GPU only
     assert not gpu_execution_path(layout(1), RegionalCompile(enabled=False)).compiled_moe
     assert not gpu_execution_path(layout(1), RegionalCompile(enabled=True, targets=["norms"])).compiled_moe

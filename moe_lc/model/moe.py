@@ -5,11 +5,11 @@
     z = W_down x                          u = sum_{j in T} p_j E_j(z)      (experts in latent width l)
     y = sum_s E_s^shared(x) + W_up RMSNorm(u)
 
-Dropless: every token reaches its k experts. Tokens are sorted by expert on the device
-(`sort_by_expert`) and every expert runs once on its contiguous slice through one dispatch
-(`moe_lc.ops.grouped_experts.grouped_glu`: a grouped GEMM on GPUs, the per-expert loop as the
-reference); `combine_by_token` forms the weighted sum. Expert parallelism replaces only the
-dispatch around the experts' call.
+Dropless: every token reaches its k experts. Tokens are sorted by expert on the device and
+gathered into expert order (`moe_lc.ops.token_permutation`), every expert runs once on its
+contiguous slice through one dispatch (`moe_lc.ops.grouped_experts.grouped_glu`: a grouped GEMM
+on GPUs, the per-expert loop as the reference), and `token_permutation.combine` forms the weighted
+sum. Expert parallelism replaces only the dispatch around the experts' call.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from moe_lc.model.precision import upcast
 from moe_lc.ops.accumulate import accumulate_
 from moe_lc.ops.grouped_experts import grouped_glu, grouped_glu_stacked, resolve_backend
 from moe_lc.ops.stacked_linear import stackable, stacked_linear
+from moe_lc.ops.token_permutation import combine, gather_by_expert, slot_rows, sort_by_expert
 
 
 class RoutedExperts(nn.Module):
@@ -178,33 +179,6 @@ def reuse_weight_casts(model: nn.Module) -> Iterator[None]:
             m.step_casts = None
 
 
-def sort_by_expert(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flattened (token, slot) assignments ordered by expert: (order, token_of_row, counts [E] int64).
-
-    All three stay on topk_idx's device with no host read. The counts come from a search of the
-    sorted expert ids, not ``torch.bincount``: on CUDA bincount reads the largest id back to the
-    host to size its output, a stream sync per layer.
-    """
-    flat = topk_idx.reshape(-1)
-    experts_sorted, order = torch.sort(flat, stable=True)
-    token_of_row = order // topk_idx.shape[1]
-    ends = torch.searchsorted(experts_sorted, torch.arange(num_experts, device=flat.device), right=True)
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    return order, token_of_row, counts
-
-
-def combine_by_token(out_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """u_t = sum_j p_tj out[row of (t, j)]: [T, width] in at least fp32 from rows in expert order.
-
-    The rows go back to (token, slot) order by a copy to the inverse permutation (each row lands
-    once; its backward is a gather by ``order``), then each token's k rows are summed in fp32 in
-    slot order: deterministic on GPUs, where a scatter-add's atomics sum them in a varying order.
-    """
-    tokens, k = weights.shape
-    by_slot = out_sorted.new_empty(out_sorted.shape).index_copy(0, order, out_sorted)
-    return (upcast(by_slot).view(tokens, k, -1) * weights.unsqueeze(-1)).sum(1)
-
-
 class LatentMoE(nn.Module):
     def __init__(self, d_model: int, cfg: MoEConfig, norm_eps: float = 1e-6) -> None:
         super().__init__()
@@ -270,8 +244,10 @@ class LatentMoE(nn.Module):
     def routed(self, z: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """u = sum_{j in T} p_j E_j(z) on one process: sort by expert, the experts, combine (no host read)."""
         order, token_of_row, counts = sort_by_expert(topk_idx, self.cfg.num_routed)
-        out_sorted = self.experts(z[token_of_row], counts)
-        return combine_by_token(out_sorted, order, weights).to(z.dtype)
+        rows = slot_rows(order, self.cfg.top_k)
+        backend = self.cfg.dispatch_backend
+        out_sorted = self.experts(gather_by_expert(z, token_of_row, rows, backend), counts)
+        return combine(out_sorted, order, rows, weights, z.dtype, backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -226,12 +226,16 @@ def _moe(t: _Tally, cfg: ModelConfig, path: ExecutionPath) -> None:
         t.matmul(A * width, saved=False)  # z (only gathered)
     t.saved(A * k * width)  # the gathered rows (the experts' input)
     _glu(t, k, e.expert_hidden, e.activation, path)
-    # the expert outputs: the combine's weighting keeps them for the weights' gradient when fp32 or
-    # compiled; in eager bf16 it keeps their fp32 copy instead (upcast, then the weighting; the sum
-    # over the slots keeps nothing)
-    t.matmul(A * k * width, saved=A == FP32 or path.compiled_moe)
-    if A < FP32 and not path.compiled_moe:
+    # the expert outputs: the combine keeps them for the weights' gradient when fp32, compiled or
+    # the Triton kernels' (GPU path, which also keep each slot's row); the eager bf16 reference keeps
+    # their fp32 copy instead (upcast, then the weighting; the sum over the slots keeps nothing)
+    triton_combine = path.fused and e.dispatch_backend != "torch"
+    keeps_rows = A == FP32 or path.compiled_moe or triton_combine
+    t.matmul(A * k * width, saved=keeps_rows)
+    if not keeps_rows:
         t.saved(FP32 * k * width)
+    if triton_combine:
+        t.saved(INDEX * k)
     if e.latent_dim:
         if _norm(t, width, A, path):  # the combined u (fp32 when the model is)
             t.saved(A * width)

@@ -27,7 +27,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from moe_lc.model.moe import LatentMoE, combine_by_token, sort_by_expert
+from moe_lc.model.moe import LatentMoE
+from moe_lc.ops.token_permutation import combine_by_token, sort_by_expert
 from moe_lc.parallel.comm import all_to_all
 from moe_lc.parallel.tensor_parallel import distribute_parameters
 
