@@ -176,7 +176,9 @@ def test_dispatch_choices_and_errors():
 
 def test_a_moe_layer_is_the_same_through_either_backend():
     """LatentMoE with ``dispatch_backend`` triton against torch (fp32): the same output and gradients up
-    to fp32 rounding of the sums (the routing, computed before the permutation, is the same)."""
+    to fp32 rounding of the sums (the routing, computed before the permutation, is the same). The
+    sums of k terms round apart by ~k eps32 and pass through the latent norm and the GEMMs after
+    them, so each tensor is compared as a whole: within 1e-5 relative in norm (~80 eps32)."""
     import dataclasses
 
     from moe_lc.config import MoEConfig
@@ -194,4 +196,4 @@ def test_a_moe_layer_is_the_same_through_either_backend():
         y.square().sum().backward()
         results[backend] = [y.detach(), xi.grad] + [p.grad for p in layer.parameters() if p.grad is not None]
     for a, b in zip(results["torch"], results["triton"], strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        assert ((b - a).norm() / a.norm()).item() < 1e-5
