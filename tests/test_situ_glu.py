@@ -132,7 +132,8 @@ def test_stacked_halves_may_be_columns_of_a_wider_output(dtype, small_blocks):
     the shared experts' weights): the kernel reads the strided rows in place, bit for bit what it
     computes from the same y made contiguous, and writes dy contiguous."""
     a, c, dh = inputs(dtype)
-    wide = torch.cat([torch.randn(a.shape[0], 5).to(dtype), a, c, torch.randn(a.shape[0], 3).to(dtype)], dim=-1)
+    pad = lambda n: torch.randn(a.shape[0], n, device=a.device).to(dtype)  # noqa: E731
+    wide = torch.cat([pad(5), a, c, pad(3)], dim=-1)
     wide.requires_grad_(True)
     y = wide[:, 5:5 + 2 * a.shape[-1]]
     assert y.stride(0) == wide.shape[1] and not y.is_contiguous()

@@ -9,7 +9,8 @@ times; on a CPU they are the ops' own CPU times.
 
 Components: kda, mla, attn_res (depth mixing), router_dispatch (router, balancer, latent
 projections, sort, gather, combine), experts (routed expert GEMMs and activation),
-shared_experts, dense_ffn, norms, loss (LM head and cross-entropy, MTP), plus the regions the
+shared_experts (their activation and output projection: their input projection is stacked into
+the router's GEMM where the weights allow), dense_ffn, norms, loss (LM head and cross-entropy, MTP), plus the regions the
 step loop opens itself with :func:`region`: optimizer, data (uploads, waiting for the prepared
 batches, and the preparation itself on its own thread), router_dispatch (the balancer update).
 
@@ -73,6 +74,15 @@ def region(name: str) -> Iterator[None]:
         yield
 
 
+def _in_range(name: str, fn: Any) -> Any:
+    """``fn`` inside the component's profiler range (out of any compiled graph, like the hooks)."""
+    @torch.compiler.disable
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with region(name):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
 @contextlib.contextmanager
 def component_ranges(model: nn.Module) -> Iterator[None]:
     """Open a ``moe_lc::<component>`` profiler range around every component module's forward."""
@@ -105,17 +115,28 @@ def component_ranges(model: nn.Module) -> Iterator[None]:
             with region("loss"):
                 return loss_fn(*args, **kwargs)
         model.lm_loss = charged_to_loss
+    # LatentMoE stacks the shared experts' input projection into its own GEMM (charged to
+    # router_dispatch) and calls ``from_gate_in`` for the rest, which the module's hooks do not see.
+    wrapped_tails: list[tuple[GatedFFN, Optional[Any]]] = []
     for module in model.modules():
         name = "loss" if module is lm_head else component_of(module, parents.get(id(module)))
         if name is None:
             continue
         handles.append(module.register_forward_pre_hook(enter(name, id(module))))
         handles.append(module.register_forward_hook(leave(id(module))))
+        if name == "shared_experts":
+            wrapped_tails.append((module, vars(module).get("from_gate_in")))
+            module.from_gate_in = _in_range(name, module.from_gate_in)
     try:
         yield
     finally:
         for h in handles:
             h.remove()
+        for module, own in wrapped_tails:
+            if own is None:
+                del module.from_gate_in
+            else:
+                module.from_gate_in = own
         if own_loss_fn:
             model.lm_loss = loss_fn
         elif loss_fn is not None:

@@ -39,6 +39,8 @@ ACCOUNTING = "moe_lc/model/accounting.py"
 SITU = "moe_lc/ops/situ_glu.py"
 GROUPED = "moe_lc/ops/grouped_experts.py"
 SITU_KERNEL = "kernels/situ_glu_triton.py"
+PERMUTATION = "moe_lc/ops/token_permutation.py"
+PERMUTATION_KERNEL = "kernels/token_permutation_triton.py"
 CONV_KERNEL = "kernels/short_conv_triton.py"
 ACCUMULATE_KERNEL = "kernels/accumulate_triton.py"
 MIXTURE_KERNELS = "kernels/depth_mixture.py"
@@ -64,7 +66,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "MLA low-rank q without its RMSNorm"),
     Mutant("mla-kv-norm-dropped", MLA, "latents = [self.kv_norm(self.kv_down(x))]", "latents = [self.kv_down(x)]",
            "MLA latent kv without its RMSNorm"),
-    Mutant("moe-latent-norm-dropped", MOE, "y = self.latent_up(self.latent_norm(u))", "y = self.latent_up(u)",
+    Mutant("moe-latent-norm-dropped", MOE, "self.latent_up(self.latent_norm(self.routed(z, topk_idx, weights)))",
+           "self.latent_up(self.routed(z, topk_idx, weights))",
            "LatentMoE up-projects u without its RMSNorm"),
     Mutant("pre-norm-dropped", MODEL, "self.attn(self.attn_norm(h), docs)", "self.attn(h, docs)",
            "token mixer reads the residual without its pre-norm"),
@@ -91,18 +94,18 @@ MUTANTS: tuple[Mutant, ...] = (
            "SiTU gate factor without sigmoid(a)"),
     Mutant("ffn-gate-and-in-swapped", FFN, "a, c = self.w_gate(x), self.w_in(x)",
            "a, c = self.w_in(x), self.w_gate(x)", "GatedFFN's two GEMMs: gates with W_in and scales with W_gate"),
-    Mutant("ffn-stacked-gate-and-in-swapped", FFN, "stacked_linear(x, [self.w_gate.weight, self.w_in.weight])",
-           "stacked_linear(x, [self.w_in.weight, self.w_gate.weight])",
+    Mutant("ffn-stacked-gate-and-in-swapped", FFN, "return [self.w_gate.weight, self.w_in.weight]",
+           "return [self.w_in.weight, self.w_gate.weight]",
            "GatedFFN's stacked GEMM: gates with W_in and scales with W_gate"),
     Mutant("expert-gate-and-in-swapped", GROUPED, "act(xe @ w_gate[e].t(), xe @ w_in[e].t())",
            "act(xe @ w_in[e].t(), xe @ w_gate[e].t())", "routed experts' gate and input exchanged"),
     Mutant("swiglu-sigmoid-not-silu", SITU, "return F.silu(a) * c", "return torch.sigmoid(a) * c",
            "SwiGLU with sigmoid(a) instead of SiLU(a)"),
     # -- routing
-    Mutant("router-softmax", MOE, "scores = torch.sigmoid(upcast(self.router(x_flat)))",
-           "scores = torch.softmax(upcast(self.router(x_flat)), dim=-1)", "softmax router instead of sigmoid"),
-    Mutant("router-not-fp32", MOE, "scores = torch.sigmoid(upcast(self.router(x_flat)))",
-           "scores = torch.sigmoid(self.router(x_flat))", "router scores in the activation dtype (bf16)"),
+    Mutant("router-softmax", MOE, "scores = torch.sigmoid(upcast(logits))",
+           "scores = torch.softmax(upcast(logits), dim=-1)", "softmax router instead of sigmoid"),
+    Mutant("router-not-fp32", MOE, "scores = torch.sigmoid(upcast(logits))",
+           "scores = torch.sigmoid(logits)", "router scores in the activation dtype (bf16)"),
     Mutant("weights-not-normalised", MOE, "weights = picked / picked.sum(-1, keepdim=True) * self.cfg.routing_scale",
            "weights = picked * self.cfg.routing_scale", "routing weights are the raw scores"),
     Mutant("weights-mixed-with-bias", MOE, "picked = scores.gather(1, topk_idx)",
@@ -113,9 +116,12 @@ MUTANTS: tuple[Mutant, ...] = (
            "topk_idx = upcast(scores.detach()).topk(", "selection on scores alone (no balancing bias)"),
     Mutant("topk-without-bias-while-balancing", BAL, "biased = upcast(scores.detach()) + upcast(bias.detach())",
            "biased = upcast(scores.detach())", "QB routes on scores alone while it accumulates statistics"),
-    Mutant("routed-weights-dropped", MOE, "(upcast(by_slot).view(tokens, k, -1) * weights.unsqueeze(-1)).sum(1)",
+    Mutant("routed-weights-dropped", PERMUTATION, "(upcast(by_slot).view(tokens, k, -1) * weights.unsqueeze(-1)).sum(1)",
            "upcast(by_slot).view(tokens, k, -1).sum(1)", "expert outputs summed without their weights"),
-    Mutant("shared-expert-dropped", MOE, "y = y + self.shared(x_flat)", "y = y", "shared experts not added"),
+    Mutant("shared-expert-dropped", MOE, "y = y + self.shared.from_gate_in(shared_gate_in)", "y = y",
+           "shared experts (stacked into the layer's input GEMM) not added"),
+    Mutant("combine-kernel-weights-dropped", PERMUTATION_KERNEL, "x = x * tl.load(weights + t * K + s).to(tl.float32)",
+           "x = x", "the Triton combine sums the experts' rows without their weights"),
     Mutant("dense-layers-off-by-one", CONFIG, "return layer_idx < self.moe.first_dense_layers",
            "return layer_idx <= self.moe.first_dense_layers", "one dense FFN layer too many"),
     # -- KDA
@@ -225,7 +231,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- gate and input projections stacked into one GEMM, read in place by the activation
     Mutant("stacked-glu-halves-swapped", SITU, "    a, c = y.chunk(2, dim=-1)", "    c, a = y.chunk(2, dim=-1)",
            "the stacked GEMM's halves taken as (input, gate)"),
-    Mutant("stacked-situ-row-stride", SITU_KERNEL, "return (offs // hidden) * (2 * hidden) + offs % hidden",
+    Mutant("stacked-situ-row-stride", SITU_KERNEL, "return (offs // hidden) * row_stride + offs % hidden",
            "return (offs // hidden) * hidden + offs % hidden",
            "the fused SiTU reads each stacked row as if it were hidden wide"),
     # -- initialisation
