@@ -217,6 +217,10 @@ class ModelConfig:
         _require(
             e.balancing in ("qb", "sign", "aux", "none"), f"moe.balancing={e.balancing!r}: use qb, sign, aux or none"
         )
+        _require(
+            e.dispatch_backend in ("auto", "torch", "triton"),
+            f"moe.dispatch_backend={e.dispatch_backend!r}: use auto, torch or triton",
+        )
         _require(e.qb_bins >= 16, f"moe.qb_bins={e.qb_bins} is too few; use ~1000")
         _require(0.0 <= e.qb_ema < 1.0, f"moe.qb_ema={e.qb_ema} must be in [0, 1)")
         return self

@@ -95,6 +95,8 @@ def test_the_mixture_backend_and_the_fused_loss_come_from_the_config():
     assert default.fused_loss is True and default.fuses_head_and_loss()
     with pytest.raises(ConfigError, match="attn_res.backend"):
         tiny(**{"attn_res.backend": "cuda"})
+    with pytest.raises(ConfigError, match="moe.dispatch_backend='cuda': use auto, torch or triton"):
+        tiny(**{"moe.dispatch_backend": "cuda"})
 
 
 def test_attn_res_none_is_plain_residual():

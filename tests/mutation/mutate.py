@@ -49,6 +49,7 @@ FAST_TESTS = (
     "tests/test_depth_mixture.py",
     "tests/test_grouped_experts.py",
     "tests/test_situ_glu.py",
+    "tests/test_token_permutation.py",
     "tests/test_accumulate.py",
     "tests/test_attention_op.py",
 )
