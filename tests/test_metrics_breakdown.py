@@ -2,6 +2,7 @@
 
 import time
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -118,6 +119,23 @@ def test_the_launch_queue_marker_is_not_charged_as_kernel_time():
     marker = SimpleNamespace(name="Command Buffer Full", cpu_parent=optimizer, sequence_nr=-1,
                              kernels=[kernel("Command Buffer Full", 2_400_000.0)])  # as its own event too
     assert breakdown([optimizer, step, marker], device=True) == {"optimizer": 35.0}
+
+
+def test_the_projects_custom_ops_are_charged_to_the_component_that_calls_them():
+    """The torch.library ops (``moe_lc::sum_token_rows``, ...) share the ranges' prefix: their kernels
+    belong to the component around them (router_dispatch), not to a component of their own."""
+    from types import SimpleNamespace
+
+    def kernel(name, us):
+        return SimpleNamespace(name=name, duration=us)
+
+    dispatch = SimpleNamespace(name="moe_lc::router_dispatch", cpu_parent=None, sequence_nr=-1, kernels=[])
+    op = SimpleNamespace(name="moe_lc::sum_token_rows", cpu_parent=dispatch, sequence_nr=-1,
+                         kernels=[kernel("sum_rows_kernel", 1_500.0)])
+    assert breakdown([dispatch, op], device=True) == {"router_dispatch": 1.5}
+    with pytest.raises(ValueError, match="not a component"):
+        with region("sum_token_rows"):
+            pass
 
 
 def _sleeping(component: str, seconds: float):

@@ -40,6 +40,10 @@ from moe_lc.model.moe import LatentMoE, RoutedExperts
 from moe_lc.model.norm import RMSNorm
 
 PREFIX = "moe_lc::"
+# the names a range may carry; the project's torch.library ops (``moe_lc::sum_token_rows``, ...)
+# share the prefix and are ops inside a component, not components
+COMPONENTS = frozenset({"kda", "mla", "attn_res", "router_dispatch", "experts", "shared_experts", "dense_ffn",
+                        "norms", "loss", "optimizer", "data"})
 COMMUNICATION = "communication"
 OTHER = "other"
 BACKWARD_NODE = "autograd::engine::evaluate_function: "
@@ -70,6 +74,8 @@ def component_of(module: nn.Module, parent: Optional[nn.Module]) -> Optional[str
 @contextlib.contextmanager
 def region(name: str) -> Iterator[None]:
     """A profiler range for work outside the model (``optimizer``, ``data``, ``loss``)."""
+    if name not in COMPONENTS:
+        raise ValueError(f"profiler region {name!r} is not a component; use one of {sorted(COMPONENTS)}")
     with record_function(PREFIX + name):
         yield
 
@@ -145,7 +151,8 @@ def component_ranges(model: nn.Module) -> Iterator[None]:
 
 def _own_component(event: Any) -> Optional[str]:
     name = event.name
-    return name[len(PREFIX):] if name.startswith(PREFIX) else None
+    component = name[len(PREFIX):] if name.startswith(PREFIX) else None
+    return component if component in COMPONENTS else None
 
 
 def _innermost(event: Any) -> Optional[str]:
