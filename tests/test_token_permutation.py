@@ -68,6 +68,21 @@ def test_slot_rows_invert_the_sort():
     assert int(counts.sum()) == TOKENS * K
 
 
+@pytest.mark.parametrize("experts", [5, 256, 257, 40_000])
+def test_the_sort_is_the_stable_order_of_the_expert_ids_at_any_expert_count(experts):
+    """The ids are sorted in a narrower type than the router's int64 (one radix pass a byte): the
+    order is still the stable argsort of the int64 ids and the counts those of a bincount, at the
+    edges of each type (256 experts: ids up to 255; 257: one more than a byte)."""
+    gen = torch.Generator().manual_seed(experts)
+    ids = torch.randint(0, experts, (401, 4), generator=gen)
+    ids[0, 0], ids[1, 1] = experts - 1, 0  # both ends of the range
+    order, token_of_row, counts = sort_by_expert(ids.to(DEVICE), experts)
+    want = torch.sort(ids.reshape(-1), stable=True)[1]
+    assert order.dtype == torch.int64 and torch.equal(order.cpu(), want)
+    assert torch.equal(token_of_row.cpu(), want // 4)
+    assert torch.equal(counts.cpu(), torch.bincount(ids.reshape(-1), minlength=experts))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_combine_and_its_gradients_match_float64(dtype, backend, small_blocks):

@@ -36,14 +36,24 @@ def sort_by_expert(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, 
 
     All three stay on topk_idx's device with no host read. The counts come from a search of the
     sorted expert ids, not ``torch.bincount``: on CUDA bincount reads the largest id back to the
-    host to size its output, a stream sync per layer.
+    host to size its output, a stream sync per layer. The ids are sorted in the narrowest integer
+    type that holds them: a radix sort makes one pass per key byte (8 for the router's int64).
     """
-    flat = topk_idx.reshape(-1)
+    key_dtype = _expert_id_dtype(num_experts)
+    flat = topk_idx.reshape(-1).to(key_dtype)
     experts_sorted, order = torch.sort(flat, stable=True)
     token_of_row = order // topk_idx.shape[1]
-    ends = torch.searchsorted(experts_sorted, torch.arange(num_experts, device=flat.device), right=True)
+    experts = torch.arange(num_experts, device=flat.device, dtype=key_dtype)
+    ends = torch.searchsorted(experts_sorted, experts, right=True)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     return order, token_of_row, counts
+
+
+def _expert_id_dtype(num_experts: int) -> torch.dtype:
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        if num_experts - 1 <= torch.iinfo(dtype).max:
+            return dtype
+    return torch.int64
 
 
 def slot_rows(order: Tensor, top_k: int) -> Tensor:
