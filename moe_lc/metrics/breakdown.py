@@ -10,9 +10,10 @@ times; on a CPU they are the ops' own CPU times.
 Components: kda, mla, attn_res (depth mixing), router_dispatch (router, balancer, latent
 projections, sort, gather, combine), experts (routed expert GEMMs and activation),
 shared_experts (their activation and output projection: their input projection is stacked into
-the router's GEMM where the weights allow), dense_ffn, norms, loss (LM head and cross-entropy, MTP), plus the regions the
-step loop opens itself with :func:`region`: optimizer, data (uploads, waiting for the prepared
-batches, and the preparation itself on its own thread), router_dispatch (the balancer update).
+the router's GEMM where the weights allow), dense_ffn, norms, loss (LM head and cross-entropy,
+MTP), plus the regions the step loop opens itself with :func:`region`: optimizer, data (uploads,
+waiting for the prepared batches, and the preparation itself on its own thread), router_dispatch
+(the balancer update).
 
 :func:`idle_share`: the share of the profiled window in which the device ran nothing, i.e. the
 time the step's kernels waited for the host to queue them (or for a read back).
@@ -80,13 +81,20 @@ def region(name: str) -> Iterator[None]:
         yield
 
 
-def _in_range(name: str, fn: Any) -> Any:
-    """``fn`` inside the component's profiler range (out of any compiled graph, like the hooks)."""
-    @torch.compiler.disable
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+_MISSING = object()
+
+
+def _charge_calls(owner: Any, attr: str, name: str, undo: list[tuple[Any, str, Any]],
+                  out_of_graph: bool = False) -> None:
+    """Make ``owner.attr(...)`` run inside the component's profiler range (``out_of_graph``: left out of
+    any compiled graph, like the hooks), noting in ``undo`` how to put the attribute back."""
+    fn = getattr(owner, attr)
+
+    def charged(*args: Any, **kwargs: Any) -> Any:
         with region(name):
             return fn(*args, **kwargs)
-    return wrapper
+    undo.append((owner, attr, vars(owner).get(attr, _MISSING)))
+    setattr(owner, attr, torch.compiler.disable(charged) if out_of_graph else charged)
 
 
 @contextlib.contextmanager
@@ -114,16 +122,9 @@ def component_ranges(model: nn.Module) -> Iterator[None]:
 
     parents = {id(child): mod for mod in model.modules() for child in mod.children()}
     lm_head = getattr(model, "lm_head", None)
-    loss_fn = getattr(model, "lm_loss", None)  # the cross-entropy runs outside the LM head module
-    own_loss_fn = "lm_loss" in vars(model)
-    if loss_fn is not None:
-        def charged_to_loss(*args: Any, **kwargs: Any) -> Any:
-            with region("loss"):
-                return loss_fn(*args, **kwargs)
-        model.lm_loss = charged_to_loss
-    # LatentMoE stacks the shared experts' input projection into its own GEMM (charged to
-    # router_dispatch) and calls ``from_gate_in`` for the rest, which the module's hooks do not see.
-    wrapped_tails: list[tuple[GatedFFN, Optional[Any]]] = []
+    undo: list[tuple[Any, str, Any]] = []
+    if getattr(model, "lm_loss", None) is not None:  # the cross-entropy runs outside the LM head module
+        _charge_calls(model, "lm_loss", "loss", undo)
     for module in model.modules():
         name = "loss" if module is lm_head else component_of(module, parents.get(id(module)))
         if name is None:
@@ -131,22 +132,19 @@ def component_ranges(model: nn.Module) -> Iterator[None]:
         handles.append(module.register_forward_pre_hook(enter(name, id(module))))
         handles.append(module.register_forward_hook(leave(id(module))))
         if name == "shared_experts":
-            wrapped_tails.append((module, vars(module).get("from_gate_in")))
-            module.from_gate_in = _in_range(name, module.from_gate_in)
+            # LatentMoE stacks their input projection into its own GEMM (router_dispatch) and calls
+            # ``from_gate_in`` for the rest, which the module's hooks do not see
+            _charge_calls(module, "from_gate_in", name, undo, out_of_graph=True)
     try:
         yield
     finally:
         for h in handles:
             h.remove()
-        for module, own in wrapped_tails:
-            if own is None:
-                del module.from_gate_in
+        for owner, attr, own in reversed(undo):
+            if own is _MISSING:
+                delattr(owner, attr)
             else:
-                module.from_gate_in = own
-        if own_loss_fn:
-            model.lm_loss = loss_fn
-        elif loss_fn is not None:
-            del model.lm_loss
+                setattr(owner, attr, own)
 
 
 def _own_component(event: Any) -> Optional[str]:
