@@ -99,6 +99,9 @@ class MoEConfig:
     fused_projections: bool = True
     # the token permutation around the experts (moe_lc.ops.token_permutation): auto | torch | triton
     dispatch_backend: str = "auto"
+    # the router's selection, weights and balancing statistics (moe_lc.ops.routing): torch | auto |
+    # triton. torch until the fused kernels are measured in a GPU step (docs/performance.md §12.10)
+    router_backend: str = "torch"
 
 
 @dataclass
@@ -220,6 +223,15 @@ class ModelConfig:
         _require(
             e.dispatch_backend in ("auto", "torch", "triton"),
             f"moe.dispatch_backend={e.dispatch_backend!r}: use auto, torch or triton",
+        )
+        _require(
+            e.router_backend in ("auto", "torch", "triton"),
+            f"moe.router_backend={e.router_backend!r}: use auto, torch or triton",
+        )
+        _require(
+            e.router_backend != "triton" or (e.balancing != "aux" and not (e.balancing == "qb" and e.qb_exact)),
+            f"moe.router_backend=triton keeps the loads and QB's histogram, not balancing={e.balancing!r}"
+            f"{' with qb_exact' if e.qb_exact else ''}: use router_backend=torch (or auto) for it",
         )
         _require(e.qb_bins >= 16, f"moe.qb_bins={e.qb_bins} is too few; use ~1000")
         _require(0.0 <= e.qb_ema < 1.0, f"moe.qb_ema={e.qb_ema} must be in [0, 1)")

@@ -77,3 +77,12 @@ def assert_matches(
 
 def parameters_of(module: nn.Module, skip: Sequence[str] = ()) -> dict[str, Tensor]:
     return {n: p for n, p in module.named_parameters() if not any(n.startswith(s) for s in skip)}
+
+
+def output_and_gradients(module: nn.Module, x: Tensor) -> list[Tensor]:
+    """[y, dx, then every parameter's gradient] of loss sum(y^2): what two backends of one layer
+    must agree on."""
+    xi = x.clone().requires_grad_(True)
+    y = module(xi)
+    y.square().sum().backward()
+    return [y.detach(), xi.grad] + [p.grad for p in module.parameters() if p.grad is not None]

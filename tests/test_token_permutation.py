@@ -198,17 +198,12 @@ def test_a_moe_layer_is_the_same_through_either_backend():
 
     from moe_lc.config import MoEConfig
     from moe_lc.model.moe import LatentMoE
-    from reference_checks import randomize
+    from reference_checks import output_and_gradients, randomize
 
     cfg = MoEConfig(num_routed=6, top_k=2, num_shared=1, latent_dim=16, expert_hidden=24)
     layers = {b: randomize(LatentMoE(32, dataclasses.replace(cfg, dispatch_backend=b)), seed=7).to(DEVICE)
               for b in ("torch", "triton")}
     x = torch.randn(2, 9, 32, device=DEVICE)
-    results = {}
-    for backend, layer in layers.items():
-        xi = x.clone().requires_grad_(True)
-        y = layer(xi)
-        y.square().sum().backward()
-        results[backend] = [y.detach(), xi.grad] + [p.grad for p in layer.parameters() if p.grad is not None]
+    results = {backend: output_and_gradients(layer, x) for backend, layer in layers.items()}
     for a, b in zip(results["torch"], results["triton"], strict=True):
         assert ((b - a).norm() / a.norm()).item() < 1e-5

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_lc.model.precision import upcast
+from moe_lc.ops.routing import route_statistics
 
 BALANCING_MODES = ("qb", "sign", "aux", "none")
 
@@ -358,6 +359,21 @@ class ExpertBalancer(nn.Module):
         if accumulate:
             self.step_loads += expert_loads(topk_idx, self.num_experts)
         return topk_idx
+
+    def fused_statistics(self) -> bool:
+        """Whether the fused router's kernel (``add_routed``) keeps this balancer's step statistics:
+        the loads, and QB's histogram; not the exact quantile's required biases or the aux loss."""
+        return self.mode in ("sign", "none") or self.uses_histogram
+
+    @torch.no_grad()
+    def add_routed(self, logits: Tensor, topk_idx: Tensor, cutoff: Tensor) -> None:
+        """``select``'s statistics for a micro-batch the fused router selected (``moe_lc.ops.routing``)
+        from its logits, its choice and its cutoff, in one kernel; nothing outside training."""
+        if not self.training:
+            return
+        hist = self.histogram
+        route_statistics(logits, self.bias, topk_idx, cutoff, self.step_loads,
+                         hist.counts if hist is not None else None, hist.value_range if hist is not None else None)
 
     def aux_loss(self, scores: Tensor, topk_idx: Tensor) -> Optional[Tensor]:
         """aux_coef * auxiliary balance loss in mode "aux"; None otherwise."""

@@ -27,6 +27,8 @@ from moe_lc.model.norm import RMSNorm
 from moe_lc.model.precision import upcast
 from moe_lc.ops.accumulate import accumulate_
 from moe_lc.ops.grouped_experts import grouped_glu, grouped_glu_stacked, resolve_backend
+from moe_lc.ops.routing import resolve_backend as resolve_router_backend
+from moe_lc.ops.routing import route_topk
 from moe_lc.ops.stacked_linear import stackable, stacked_linear
 from moe_lc.ops.token_permutation import combine, gather_by_expert, slot_rows, sort_by_expert
 
@@ -232,14 +234,29 @@ class LatentMoE(nn.Module):
         z = pieces.pop(0) if len(linears) > 1 else None
         return logits, z, (pieces.pop(0) if shared else None)
 
-    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Router scores (fp32) from the router's logits, selected experts and their normalised weights."""
+    def route(self, logits: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Router scores (fp32) from the router's logits, selected experts and their normalised weights.
+
+        With ``router_backend`` on the fused kernels (``moe_lc.ops.routing``) the scores are never
+        materialised (None): one kernel selects and weighs, one adds the balancer's statistics."""
+        if self.fused_router(logits):
+            topk_idx, weights, cutoff = route_topk(logits, self.balancer.bias, self.cfg.top_k,
+                                                   self.cfg.routing_scale, backend=self.cfg.router_backend)
+            self.balancer.add_routed(logits, topk_idx, cutoff)
+            self.aux_loss = None
+            return None, topk_idx, weights
         scores = torch.sigmoid(upcast(logits))
         topk_idx = self.balancer.select(scores.detach())
         picked = scores.gather(1, topk_idx)
         weights = picked / picked.sum(-1, keepdim=True) * self.cfg.routing_scale
         self.aux_loss = self.balancer.aux_loss(scores, topk_idx) if self.training else None
         return scores, topk_idx, weights
+
+    def fused_router(self, logits: torch.Tensor) -> bool:
+        """Whether ``route`` runs the fused router: asked for (``router_backend``), a balancer whose
+        statistics its kernel keeps (not the exact quantile, not the auxiliary loss), and inputs it takes."""
+        return (self.cfg.router_backend != "torch" and self.balancer.fused_statistics()
+                and resolve_router_backend(logits, self.cfg.top_k, self.cfg.router_backend) == "triton")
 
     def routed(self, z: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """u = sum_{j in T} p_j E_j(z) on one process: sort by expert, the experts, combine (no host read)."""

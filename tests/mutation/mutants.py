@@ -41,6 +41,7 @@ GROUPED = "moe_lc/ops/grouped_experts.py"
 SITU_KERNEL = "kernels/situ_glu_triton.py"
 PERMUTATION = "moe_lc/ops/token_permutation.py"
 PERMUTATION_KERNEL = "kernels/token_permutation_triton.py"
+ROUTER_KERNEL = "kernels/routing_triton.py"
 CONV_KERNEL = "kernels/short_conv_triton.py"
 ACCUMULATE_KERNEL = "kernels/accumulate_triton.py"
 MIXTURE_KERNELS = "kernels/depth_mixture.py"
@@ -122,6 +123,10 @@ MUTANTS: tuple[Mutant, ...] = (
            "shared experts (stacked into the layer's input GEMM) not added"),
     Mutant("combine-kernel-weights-dropped", PERMUTATION_KERNEL, "x = x * tl.load(weights + t * K + s).to(tl.float32)",
            "x = x", "the Triton combine sums the experts' rows without their weights"),
+    Mutant("router-kernel-sigmoid-derivative-dropped", ROUTER_KERNEL, "dx = ds * s * (1.0 - s)", "dx = ds * s",
+           "the fused router's backward misses the sigmoid's derivative factor (1 - s)"),
+    Mutant("router-kernel-cutoff-is-the-last-score", ROUTER_KERNEL, "alpha = tl.max(remaining, axis=1)",
+           "alpha = tl.min(remaining, axis=1)", "the fused router's cutoff is the lowest score, not the (k+1)-th"),
     Mutant("dense-layers-off-by-one", CONFIG, "return layer_idx < self.moe.first_dense_layers",
            "return layer_idx <= self.moe.first_dense_layers", "one dense FFN layer too many"),
     # -- KDA

@@ -48,6 +48,7 @@ FAST_TESTS = (
     "tests/test_linear_cross_entropy.py",
     "tests/test_depth_mixture.py",
     "tests/test_grouped_experts.py",
+    "tests/test_routing.py",
     "tests/test_situ_glu.py",
     "tests/test_token_permutation.py",
     "tests/test_accumulate.py",
