@@ -1,4 +1,4 @@
-"""The MoE router from its logits, one dispatch point (docs/design.md §5.5).
+"""The MoE router from its logits, one dispatch point (docs/design.md §5.1).
 
     s = sigmoid(logits)   T = argtop_k(s + b)   alpha = (k+1)-th largest s + b   p_j = scale s_j / sum_T s
 

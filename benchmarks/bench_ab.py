@@ -1,0 +1,109 @@
+"""Interleaved A/B runs of `moe-lc bench`: does a change of overrides make a whole step faster?
+
+A step-level change worth ~1% is smaller than the spread between two bench calls (the first timed
+step of a call runs 0.3-0.45 s slow on an H200, docs/performance.md §12.9), so one call per variant
+cannot tell it. This runs the variants in turn, A B A B ..., each in a process of its own (a fresh
+CUDA context and allocator, the same seed and batches), drops each run's first timed step, and
+prints per variant the steady step times, their mean and spread, and the change against the first
+variant with the run-to-run spread beside it:
+
+    python benchmarks/bench_ab.py k3-small-8k --variant base= \\
+        --variant router=model.moe.router_backend=triton --rounds 2 --steps 5 --warmup 3 [--out ab.json]
+
+A variant is NAME=OVERRIDES (space-separated Hydra overrides, empty for the recipe as it is); the
+positional arguments are the recipe and overrides shared by all. Needs the devices the recipe
+runs on; `python -m moe_lc.cli` must be importable (installed, or on PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    name, sep, overrides = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: write NAME=OVERRIDES (NAME= for none)")
+    return name, overrides.split()
+
+
+def run_once(shared: list[str], overrides: list[str], steps: int, warmup: int, timeout: float) -> dict:
+    """One `moe-lc bench` call in its own process; its JSON report."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bench.json"
+        cmd = [sys.executable, "-m", "moe_lc.cli", "bench", *shared, *overrides, "--steps", str(steps),
+               "--warmup", str(warmup), "--json", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+        if done.returncode != 0 or not out.exists():
+            raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-2000:]}")
+        return json.loads(out.read_text())
+
+
+def steady_steps(report: dict) -> list[float]:
+    """The timed steps after the first (which carries the run-order warm-up)."""
+    steps = report["step_times_s"]
+    return steps[1:] if len(steps) > 1 else steps
+
+
+def summarise(runs: dict[str, list[dict]]) -> list[dict]:
+    rows, base = [], None
+    for name, reports in runs.items():
+        means = [statistics.fmean(steady_steps(r)) for r in reports]
+        mean = statistics.fmean(means)
+        row = dict(variant=name, run_means_s=means, mean_s=mean, spread_s=max(means) - min(means),
+                   mfu=statistics.fmean(r["mfu"] or 0.0 for r in reports),
+                   peak_memory_gib=max(r["peak_memory_gib"] for r in reports))
+        if base is None:
+            base = row
+        row["change"] = mean / base["mean_s"] - 1.0
+        rows.append(row)
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = ["| variant | steady step means per run (s) | mean | spread | change vs first | MFU | peak GiB |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        runs = ", ".join(f"{m:.3f}" for m in r["run_means_s"])
+        lines.append(f"| {r['variant']} | {runs} | {r['mean_s']:.3f} | {r['spread_s']:.3f} | {100 * r['change']:+.2f}% "
+                     f"| {100 * r['mfu']:.1f}% | {r['peak_memory_gib']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("shared", nargs="+", help="the recipe and overrides every variant runs with")
+    parser.add_argument("--variant", action="append", type=parse_variant, required=True,
+                        help="NAME=OVERRIDES; the first is the baseline")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of every variant, interleaved (default 2)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps a run (the first is dropped)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take")
+    parser.add_argument("--out", default=None, help="write the reports and the table's numbers as JSON")
+    args = parser.parse_args(argv)
+    names = [name for name, _ in args.variant]
+    if len(set(names)) != len(names):
+        parser.error(f"variant names must differ, got {names}")
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for round_ in range(args.rounds):
+        for name, overrides in args.variant:
+            print(f"round {round_ + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
+            report = run_once(args.shared, overrides, args.steps, args.warmup, args.timeout)
+            runs[name].append(report)
+            print(f"  steps {', '.join(f'{s:.3f}' for s in report['step_times_s'])}", file=sys.stderr, flush=True)
+    rows = summarise(runs)
+    print(format_rows(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(rows=rows, reports=runs), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
