@@ -16,6 +16,9 @@ from torch import Tensor
 # Columns per program and warps: memory-bound gathers of whole rows (k3-small's latent width 1024 is
 # one program per token at 1024 x 4 warps).
 TUNING = dict(block=1024, warps=4)
+# The sort's one-hot tile, slots x experts (padded to a power of two): 128 slots a block at 64 experts,
+# int32, which compiles for sm_90 without register spills at 4 warps (256 slots spilled).
+SORT_TILE_SLOTS = 8192
 
 
 def _grid(tokens: int, width: int) -> tuple[tuple[int, int], int]:
@@ -63,3 +66,30 @@ def combine_backward_triton(du: Tensor, src: Tensor, rows: Tensor, weights: Tens
     kt.combine_bwd_kernel[grid](du, src, rows, weights, dsrc, parts, width, _row_stride(src), grid[1], K=k,
                                 BLOCK=block, num_warps=TUNING["warps"])
     return dsrc, parts.sum(-1)
+
+
+def sort_by_expert_triton(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(order, token_of_row, counts [E] int64, rows [T, K]) of a stable sort of topk_idx's flat slots by
+    expert: a counting sort in two kernels and one cumulative sum over the blocks' counts."""
+    import triton
+    from moe_lc_kernels import token_permutation_triton as kt
+
+    tokens, k = topk_idx.shape
+    flat = topk_idx.reshape(-1).contiguous()
+    n = flat.numel()
+    if n >= 2**31:
+        raise ValueError(f"sort_by_expert_triton: {n} slots exceed the kernels' int32 ranks; use the reference")
+    e_pow2 = triton.next_power_of_2(max(num_experts, 1))
+    block = max(16, SORT_TILE_SLOTS // e_pow2)
+    blocks = max(1, triton.cdiv(n, block))
+    order = torch.empty(n, device=flat.device, dtype=torch.int64)
+    token_of_row = torch.empty(n, device=flat.device, dtype=torch.int64)
+    rows = torch.empty(n, device=flat.device, dtype=torch.int64)
+    if n == 0:
+        return order, token_of_row, torch.zeros(num_experts, device=flat.device, dtype=torch.int64), rows.view(tokens, k)
+    part = torch.empty(blocks, e_pow2, device=flat.device, dtype=torch.int64)
+    kt.expert_block_counts_kernel[(blocks,)](flat, part, n, E_POW2=e_pow2, BLOCK=block, num_warps=TUNING["warps"])
+    part_cum = part.cumsum(0)
+    kt.place_by_expert_kernel[(blocks,)](flat, part_cum, order, rows, token_of_row, n, blocks, K=k, E_POW2=e_pow2,
+                                         BLOCK=block, num_warps=TUNING["warps"])
+    return order, token_of_row, part_cum[-1, :num_experts], rows.view(tokens, k)

@@ -99,8 +99,9 @@ class MoEConfig:
     fused_projections: bool = True
     # the token permutation around the experts (moe_lc.ops.token_permutation): auto | torch | triton
     dispatch_backend: str = "auto"
-    # the router's selection, weights and balancing statistics (moe_lc.ops.routing): torch | auto |
-    # triton. torch until the fused kernels are measured in a GPU step (docs/performance.md §12.10)
+    # the router's selection, weights and balancing statistics (moe_lc.ops.routing) and the sort by
+    # expert (token_permutation.expert_order): torch | auto | triton. torch until the fused kernels
+    # are measured in a GPU step (docs/performance.md §12.10)
     router_backend: str = "torch"
 
 

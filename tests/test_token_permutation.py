@@ -22,8 +22,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 import moe_lc_kernels.token_permutation as kernel_module  # noqa: E402
-from moe_lc.ops.token_permutation import (combine, gather_by_expert, resolve_backend, slot_rows,  # noqa: E402
-                                          sort_by_expert)
+from moe_lc.ops.token_permutation import (combine, expert_order, gather_by_expert, resolve_backend,  # noqa: E402
+                                          slot_rows, sort_by_expert)
 from moe_lc_kernels import triton_available  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -81,6 +81,23 @@ def test_the_sort_is_the_stable_order_of_the_expert_ids_at_any_expert_count(expe
     assert order.dtype == torch.int64 and torch.equal(order.cpu(), want)
     assert torch.equal(token_of_row.cpu(), want // 4)
     assert torch.equal(counts.cpu(), torch.bincount(ids.reshape(-1), minlength=experts))
+
+
+@pytest.mark.parametrize("experts,tokens", [(5, 401), (64, 37), (257, 300), (1024, 5), (6, 0)])
+def test_the_counting_sort_is_the_stable_sort_exactly(experts, tokens, monkeypatch):
+    """expert_order's Triton counting sort against the reference (torch's stable sort, the search for
+    the counts, the inverse's scatter): the same order, tokens, counts and rows, bit for bit, with
+    the slots spread over many blocks (16 a block) and over none."""
+    monkeypatch.setattr(kernel_module, "SORT_TILE_SLOTS", 16 * 64)
+    gen = torch.Generator().manual_seed(experts)
+    ids = torch.randint(0, experts, (tokens, 4), generator=gen)
+    if tokens:
+        ids[0, 0], ids[-1, -1] = experts - 1, 0  # both ends of the range
+    got = expert_order(ids.to(DEVICE), experts, "triton")
+    want = expert_order(ids.to(DEVICE), experts, "torch")
+    assert [t.shape for t in got] == [t.shape for t in want] == [(tokens * 4,), (tokens * 4,), (experts,), (tokens, 4)]
+    for a, b in zip(got, want):
+        assert a.dtype == torch.int64 and torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -162,6 +179,10 @@ def test_the_custom_ops_trace_without_graph_breaks(small_blocks):
     p = weights.clone().requires_grad_(True)
     torch.library.opcheck(torch.ops.moe_lc.gather_token_rows.default, (z, token_of_row, rows))
     torch.library.opcheck(torch.ops.moe_lc.combine_token_rows.default, (out, rows, p, torch.float32))
+    torch.library.opcheck(torch.ops.moe_lc.expert_order.default, (topk, EXPERTS),
+                          test_utils=("test_schema", "test_faketensor"))  # integer outputs: no autograd
+    sort = torch.compile(lambda ids: expert_order(ids, EXPERTS, "triton"), backend="aot_eager", fullgraph=True)
+    assert all(torch.equal(a, b) for a, b in zip(sort(topk), expert_order(topk, EXPERTS, "torch")))
 
     def step(z, out, p):
         return gather_by_expert(z, token_of_row, rows, "triton").sum() + combine(out, order, rows, p, torch.float32,

@@ -30,7 +30,7 @@ from moe_lc.ops.grouped_experts import grouped_glu, grouped_glu_stacked, resolve
 from moe_lc.ops.routing import resolve_backend as resolve_router_backend
 from moe_lc.ops.routing import route_topk
 from moe_lc.ops.stacked_linear import stackable, stacked_linear
-from moe_lc.ops.token_permutation import combine, gather_by_expert, slot_rows, sort_by_expert
+from moe_lc.ops.token_permutation import combine, expert_order, gather_by_expert
 
 
 class RoutedExperts(nn.Module):
@@ -260,8 +260,7 @@ class LatentMoE(nn.Module):
 
     def routed(self, z: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """u = sum_{j in T} p_j E_j(z) on one process: sort by expert, the experts, combine (no host read)."""
-        order, token_of_row, counts = sort_by_expert(topk_idx, self.cfg.num_routed)
-        rows = slot_rows(order, self.cfg.top_k)
+        order, token_of_row, counts, rows = expert_order(topk_idx, self.cfg.num_routed, self.cfg.router_backend)
         backend = self.cfg.dispatch_backend
         out_sorted = self.experts(gather_by_expert(z, token_of_row, rows, backend), counts)
         return combine(out_sorted, order, rows, weights, z.dtype, backend)

@@ -23,9 +23,9 @@ from torch import Tensor
 from moe_lc.model.precision import upcast
 from moe_lc.ops.backend_choice import choose_backend
 from moe_lc_kernels import triton_available
-from moe_lc_kernels.token_permutation import combine_backward_triton, sum_token_rows_triton
+from moe_lc_kernels.token_permutation import combine_backward_triton, sort_by_expert_triton, sum_token_rows_triton
 
-__all__ = ["sort_by_expert", "slot_rows", "gather_by_expert", "combine_by_token", "combine", "resolve_backend",
+__all__ = ["sort_by_expert", "slot_rows", "expert_order", "gather_by_expert", "combine_by_token", "combine", "resolve_backend",
            "triton_unsupported_reason"]
 
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -76,7 +76,42 @@ def combine_by_token(out_sorted: Tensor, order: Tensor, weights: Tensor) -> Tens
     return (upcast(by_slot).view(tokens, k, -1) * weights.unsqueeze(-1)).sum(1)
 
 
+def expert_order(topk_idx: Tensor, num_experts: int, backend: str = "torch") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(order, token_of_row, counts, rows): ``sort_by_expert`` and ``slot_rows`` in one call.
+
+    "triton" (``moe.router_backend``, with the router's kernels) is a stable counting sort in two
+    kernels and a cumulative sum, where the reference launches about a dozen (the narrowing, the
+    radix sort's passes and buffers, the search for the counts, the inverse's scatter); the same
+    four tensors, exactly."""
+    probe = topk_idx if topk_idx.dim() == 2 else topk_idx.reshape(-1, 1)
+    reason = None if triton_available(probe.device.type) and probe.device.type in ("cuda", "cpu") else (
+        f"Triton cannot run on {probe.device} here (it needs CUDA and the triton package, or a CPU tensor under "
+        "TRITON_INTERPRET=1)")
+    if num_experts > MAX_SORT_EXPERTS:
+        reason = f"the counting sort takes at most {MAX_SORT_EXPERTS} experts, got {num_experts}"
+    if choose_backend("expert_order", backend, "triton", reason, auto_takes_fast=probe.is_cuda) == "torch":
+        order, token_of_row, counts = sort_by_expert(topk_idx, num_experts)
+        return order, token_of_row, counts, slot_rows(order, topk_idx.shape[1])
+    return _expert_order(topk_idx, num_experts)
+
+
+MAX_SORT_EXPERTS = 1024  # the counting sort's tile holds a block's slots against every expert
+
+
 # -- the Triton paths, as custom ops -----------------------------------------------------------------
+
+@torch.library.custom_op("moe_lc::expert_order", mutates_args=())
+def _expert_order(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    order, token_of_row, counts, rows = sort_by_expert_triton(topk_idx, num_experts)
+    return order, token_of_row, counts.clone(), rows
+
+
+@_expert_order.register_fake
+def _(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    n = topk_idx.numel()
+    return (topk_idx.new_empty(n, dtype=torch.int64), topk_idx.new_empty(n, dtype=torch.int64),
+            topk_idx.new_empty(num_experts, dtype=torch.int64), topk_idx.new_empty(topk_idx.shape, dtype=torch.int64))
+
 
 @torch.library.custom_op("moe_lc::sum_token_rows", mutates_args=())
 def _sum_token_rows(src: Tensor, rows: Tensor, weights: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:

@@ -127,6 +127,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "the fused router's backward misses the sigmoid's derivative factor (1 - s)"),
     Mutant("router-kernel-cutoff-is-the-last-score", ROUTER_KERNEL, "alpha = tl.max(remaining, axis=1)",
            "alpha = tl.min(remaining, axis=1)", "the fused router's cutoff is the lowest score, not the (k+1)-th"),
+    Mutant("sort-kernel-earlier-blocks-dropped", PERMUTATION_KERNEL, "within + (starts + earlier)[None, :]",
+           "within + starts[None, :]", "the counting sort forgets the expert's slots in earlier blocks"),
     Mutant("dense-layers-off-by-one", CONFIG, "return layer_idx < self.moe.first_dense_layers",
            "return layer_idx <= self.moe.first_dense_layers", "one dense FFN layer too many"),
     # -- KDA
