@@ -77,6 +77,7 @@ def train(cfg, runtime, steps: int, plain: bool) -> tuple[list[float], float]:
         model_cfg.fused_loss = False  # the LM loss in checkpointed chunks
         model_cfg.moe.dispatch_backend = "torch"  # the token permutation in PyTorch
         model_cfg.moe.fused_projections = False  # the router, W_down and the shared experts one by one
+        model_cfg.moe.router_backend = "torch"  # the router, its statistics and the sort in PyTorch
     state = build_model_state(model_cfg, cfg.optim, plan.layout, runtime, cfg.seed, plan.checkpointing, plan.seq_len,
                               compiled=None if plain else cfg.compile)
     if plain:

@@ -31,6 +31,20 @@ S=curriculum.stages.ctx8k
 # the whole suite, GPU-only tests included, spread over TEST_WORKERS processes (pytest-xdist;
 # about 5 minutes with 14 on a 16-core H200 machine, docs/testing.md)
 step gpu_tests python -m pytest -q -rfEs -p no:cacheprovider -n "${TEST_WORKERS:-14}" tests
+# the fused router and counting sort (moe.router_backend, off by default until measured:
+# docs/performance.md §12.10): their tests, the step interleaved against the default, and the
+# losses against the plain path with them on
+step router_tests python -m pytest -q -rfEs -p no:cacheprovider tests/test_routing.py tests/test_token_permutation.py \
+    tests/test_compile.py
+step ab_router python benchmarks/bench_ab.py k3-small-8k --variant base= \
+    --variant router=model.moe.router_backend=triton --rounds 2 --steps 5 --warmup 3 --out "$OUT/ab_router.json"
+step compare_paths_router python benchmarks/compare_paths.py --recipe proxy-8k --steps 20 \
+    curriculum.stages.ctx8k.global_batch_tokens=16384 curriculum.stages.ctx8k.micro_batch=1 \
+    +curriculum.stages.ctx8k.activation_checkpointing.kda_states=true model.moe.router_backend=triton \
+    --out "$OUT/compare_paths_router.json"
+# the proxy through the trainer on every GPU here, its stages unedited (one and two GPUs: issue 17)
+step train_proxy_8k torchrun --standalone --nproc-per-node "$(python -c 'import torch; print(torch.cuda.device_count())')" \
+    -m moe_lc.train recipe=proxy-8k max_steps=20 run_dir="$OUT/run_proxy_8k" eval.sequences=0 eval.passkey_documents=0
 # compiled (the proxy recipes' `auto` on one GPU) and eager, same machine; warm-up covers the first
 # batch whose KDA documents split into segments (one more Triton compile, docs/performance.md 12.2.1)
 step bench_proxy_8k python -m moe_lc.cli bench proxy-8k $S.global_batch_tokens=131072 compile.enabled=true --steps 6 \
