@@ -217,6 +217,8 @@ def test_dispatch_choices_and_errors():
         resolve_backend(logits, 8, "triton")
     with pytest.raises(RuntimeError, match="fp32/bf16/fp16"):
         resolve_backend(logits.double(), 2, "triton")
+    with pytest.raises(RuntimeError, match="plain tensors"):  # a subclass, as tensor parallelism's DTensor
+        resolve_backend(torch.nn.Parameter(logits), 2, "triton")
     from moe_lc.config import ModelConfig
     base = ModelConfig(moe=MoEConfig(num_routed=8, top_k=2))
     with pytest.raises(ConfigError, match="moe.router_backend='cuda': use auto, torch or triton"):

@@ -256,7 +256,8 @@ class LatentMoE(nn.Module):
         """Whether ``route`` runs the fused router: asked for (``router_backend``), a balancer whose
         statistics its kernel keeps (not the exact quantile, not the auxiliary loss), and inputs it takes."""
         return (self.cfg.router_backend != "torch" and self.balancer.fused_statistics()
-                and resolve_router_backend(logits, self.cfg.top_k, self.cfg.router_backend) == "triton")
+                and resolve_router_backend(logits, self.cfg.top_k, self.cfg.router_backend,
+                                           self.balancer.bias) == "triton")
 
     def routed(self, z: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """u = sum_{j in T} p_j E_j(z) on one process: sort by expert, the experts, combine (no host read)."""

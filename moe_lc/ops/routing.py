@@ -92,11 +92,13 @@ def _(logits, bias, topk_idx, cutoff, loads, hist, value_range) -> None:
 
 # -- the dispatch ------------------------------------------------------------------------------------
 
-def triton_unsupported_reason(logits: Tensor, top_k: int) -> Optional[str]:
+def triton_unsupported_reason(logits: Tensor, top_k: int, bias: Optional[Tensor] = None) -> Optional[str]:
     """Why the Triton kernels cannot route these logits here, or None when they can."""
     if logits.device.type not in ("cuda", "cpu") or not triton_available(logits.device.type):
         return (f"Triton cannot run on {logits.device} here (it needs CUDA and the triton package, or a CPU "
                 "tensor under TRITON_INTERPRET=1)")
+    if type(logits) is not torch.Tensor or (bias is not None and type(bias) is not torch.Tensor):
+        return f"the kernels take plain tensors, got {type(logits).__name__} logits and a {type(bias).__name__} bias"
     if logits.dim() != 2 or logits.dtype not in _TRITON_DTYPES:
         return f"the kernels take fp32/bf16/fp16 logits [tokens, experts], got {tuple(logits.shape)} {logits.dtype}"
     if not 1 <= top_k < logits.shape[1] <= MAX_TRITON_EXPERTS:
@@ -104,9 +106,9 @@ def triton_unsupported_reason(logits: Tensor, top_k: int) -> Optional[str]:
     return None
 
 
-def resolve_backend(logits: Tensor, top_k: int, backend: str = "auto") -> str:
+def resolve_backend(logits: Tensor, top_k: int, backend: str = "auto", bias: Optional[Tensor] = None) -> str:
     """The backend ``route_topk`` runs: "auto" takes Triton only on CUDA (never the CPU interpreter)."""
-    return choose_backend("routing", backend, "triton", triton_unsupported_reason(logits, top_k),
+    return choose_backend("routing", backend, "triton", triton_unsupported_reason(logits, top_k, bias),
                           auto_takes_fast=logits.is_cuda)
 
 
@@ -114,7 +116,7 @@ def route_topk(logits: Tensor, bias: Tensor, top_k: int, scale: float,
                backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
     """(topk_idx [T, k] int64, weights [T, k] fp32, cutoff [T] fp32) of logits [T, E] under ``bias``
     [E]; the weights are differentiable in the logits. Slots in descending order of s + b."""
-    if resolve_backend(logits, top_k, backend) == "torch":
+    if resolve_backend(logits, top_k, backend, bias) == "torch":
         return route_reference(logits, bias, top_k, scale)
     return _route(logits, bias, top_k, float(scale))
 
