@@ -105,6 +105,9 @@ COMMANDS: dict[str, object] = {
     "python3 -m pytest -q -n 2 --dist loadfile tests": NotRun("this suite"),
     "python -m pytest -q -n 14 tests": NotRun("this suite, spread over processes on a GPU machine", needs="GPU"),
     "python3 -m pytest -q tests/test_reference_layers.py tests/test_reference_model.py": NotRun("part of this suite"),
+    # docs/performance.md §12.11: compiles for sm_90 on this CPU (tests/test_sass_audit.py runs part of it)
+    "python benchmarks/sass_audit.py": Run(command=f"cd {REPO} && env -u TRITON_INTERPRET python "
+                                                   "benchmarks/sass_audit.py --ops sort"),
     "python3 tests/mutation/mutate.py --check": Run(command=f"cd {REPO} && python3 tests/mutation/mutate.py --check"),
     **{c: NotRun("runs test files once per mutant (minutes to ~20 min); --check above runs the same program") for c in (
         "python3 tests/mutation/mutate.py",
