@@ -83,6 +83,9 @@ step bench_k3_small_8k_no_kda_states python -m moe_lc.cli bench k3-small-8k $S.a
 step grad_accumulation python benchmarks/bench_grad_accumulation.py
 # the short convolution's kernels at KDA's stacked q, k, v shape and the older reference shape (§8)
 step short_conv python benchmarks/bench_short_conv.py
+# the dx / dweight kernel spills at its default 128-row tiles (sm_90, Triton 3.9: §12.11), not at 64
+step short_conv_spill python benchmarks/bench_short_conv.py --shapes kda_qkv_B1_T16K_C6144_docs \
+    --tuning ';bwd_bt=64;bwd_bt=64,bwd_warps=8'
 # the padded per-document cuDNN attention against varlen, long and short documents (§11)
 step attention_padded python benchmarks/bench_attention.py --heads 16 --shapes T8K_docs2,T8K_docs8,T64K_docs24,T64K_docs64,T64K_docs256 \
     --variants varlen,padded --fresh 4 --out "$OUT"
