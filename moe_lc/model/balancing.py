@@ -39,7 +39,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_lc.model.precision import upcast
-from moe_lc.ops.routing import route_statistics
 
 BALANCING_MODES = ("qb", "sign", "aux", "none")
 
@@ -371,6 +370,8 @@ class ExpertBalancer(nn.Module):
         from its logits, its choice and its cutoff, in one kernel; nothing outside training."""
         if not self.training:
             return
+        from moe_lc.ops.routing import route_statistics  # the op module routes with this one's selection
+
         hist = self.histogram
         route_statistics(logits, self.bias, topk_idx, cutoff, self.step_loads,
                          hist.counts if hist is not None else None, hist.value_range if hist is not None else None)

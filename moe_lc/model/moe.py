@@ -28,7 +28,7 @@ from moe_lc.model.precision import upcast
 from moe_lc.ops.accumulate import accumulate_
 from moe_lc.ops.grouped_experts import grouped_glu, grouped_glu_stacked, resolve_backend
 from moe_lc.ops.routing import resolve_backend as resolve_router_backend
-from moe_lc.ops.routing import route_topk
+from moe_lc.ops.routing import route_topk, routing_weights
 from moe_lc.ops.stacked_linear import stackable, stacked_linear
 from moe_lc.ops.token_permutation import combine, expert_order, gather_by_expert
 
@@ -247,8 +247,7 @@ class LatentMoE(nn.Module):
             return None, topk_idx, weights
         scores = torch.sigmoid(upcast(logits))
         topk_idx = self.balancer.select(scores.detach())
-        picked = scores.gather(1, topk_idx)
-        weights = picked / picked.sum(-1, keepdim=True) * self.cfg.routing_scale
+        weights = routing_weights(scores, topk_idx, self.cfg.routing_scale)
         self.aux_loss = self.balancer.aux_loss(scores, topk_idx) if self.training else None
         return scores, topk_idx, weights
 

@@ -18,26 +18,30 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from moe_lc.model.balancing import route_with_cutoff
 from moe_lc.model.precision import upcast
 from moe_lc.ops.backend_choice import choose_backend
 from moe_lc_kernels import triton_available
 from moe_lc_kernels.routing import route_backward_triton, route_statistics_triton, route_triton
 
-__all__ = ["route_reference", "route_topk", "route_statistics", "resolve_backend", "triton_unsupported_reason"]
+__all__ = ["routing_weights", "route_reference", "route_topk", "route_statistics", "resolve_backend", "triton_unsupported_reason"]
 
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TRITON_EXPERTS = 512  # one tile row holds a token's scores over all experts
 
 
+def routing_weights(scores: Tensor, topk_idx: Tensor, scale: float) -> Tensor:
+    """p_j = scale s_j / sum_T s for the selected experts [T, k], differentiable in the scores."""
+    picked = scores.gather(1, topk_idx)
+    return picked / picked.sum(-1, keepdim=True) * scale
+
+
 def route_reference(logits: Tensor, bias: Tensor, top_k: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """(topk_idx [T, k], weights [T, k] fp32, cutoff [T] fp32) from the formula; the weights are
-    differentiable in the logits, the bias only selects."""
+    differentiable in the logits, the bias only selects (``route_with_cutoff``, the balancer's own)."""
     scores = torch.sigmoid(upcast(logits))
-    biased = scores.detach() + upcast(bias.detach())
-    values, idx = biased.topk(top_k + 1, dim=-1)
-    topk_idx = idx[:, :top_k]
-    picked = scores.gather(1, topk_idx)
-    return topk_idx, picked / picked.sum(-1, keepdim=True) * scale, values[:, top_k]
+    topk_idx, cutoff = route_with_cutoff(scores, bias, top_k)
+    return topk_idx, routing_weights(scores, topk_idx, scale), cutoff
 
 
 # -- the Triton paths, as custom ops -----------------------------------------------------------------

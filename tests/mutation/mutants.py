@@ -42,6 +42,7 @@ SITU_KERNEL = "kernels/situ_glu_triton.py"
 PERMUTATION = "moe_lc/ops/token_permutation.py"
 PERMUTATION_KERNEL = "kernels/token_permutation_triton.py"
 ROUTER_KERNEL = "kernels/routing_triton.py"
+ROUTING = "moe_lc/ops/routing.py"
 CONV_KERNEL = "kernels/short_conv_triton.py"
 ACCUMULATE_KERNEL = "kernels/accumulate_triton.py"
 MIXTURE_KERNELS = "kernels/depth_mixture.py"
@@ -107,11 +108,11 @@ MUTANTS: tuple[Mutant, ...] = (
            "scores = torch.softmax(upcast(logits), dim=-1)", "softmax router instead of sigmoid"),
     Mutant("router-not-fp32", MOE, "scores = torch.sigmoid(upcast(logits))",
            "scores = torch.sigmoid(logits)", "router scores in the activation dtype (bf16)"),
-    Mutant("weights-not-normalised", MOE, "weights = picked / picked.sum(-1, keepdim=True) * self.cfg.routing_scale",
-           "weights = picked * self.cfg.routing_scale", "routing weights are the raw scores"),
-    Mutant("weights-mixed-with-bias", MOE, "picked = scores.gather(1, topk_idx)",
-           "picked = (scores + self.balancer.bias).gather(1, topk_idx)", "the balancing bias leaks into the weights"),
-    Mutant("routing-scale-dropped", MOE, "picked.sum(-1, keepdim=True) * self.cfg.routing_scale", "picked.sum(-1, keepdim=True)",
+    Mutant("weights-not-normalised", ROUTING, "return picked / picked.sum(-1, keepdim=True) * scale",
+           "return picked * scale", "routing weights are the raw scores"),
+    Mutant("weights-mixed-with-bias", MOE, "weights = routing_weights(scores, topk_idx,",
+           "weights = routing_weights(scores + self.balancer.bias, topk_idx,", "the balancing bias leaks into the weights"),
+    Mutant("routing-scale-dropped", ROUTING, "picked.sum(-1, keepdim=True) * scale", "picked.sum(-1, keepdim=True)",
            "routing weights without routing_scale"),
     Mutant("topk-without-bias", BAL, "topk_idx = (upcast(scores.detach()) + self.bias).topk(",
            "topk_idx = upcast(scores.detach()).topk(", "selection on scores alone (no balancing bias)"),
