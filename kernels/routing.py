@@ -78,10 +78,7 @@ def route_statistics_triton(logits: Tensor, bias: Tensor, topk_idx: Tensor, cuto
     top_k = topk_idx.shape[1]
     tokens, experts, e_pow2, k_pow2, stride = _shape(logits, top_k)
     histogram = hist is not None
-    if not tokens:
-        if histogram:  # the range is the bias's even without tokens, as the reference sets it
-            b = bias.detach().double()
-            value_range.copy_(torch.stack([b.min() - 1.0, b.max() + 1.0]))
+    if not tokens:  # nothing to count (the caller sets the range the bins would cover)
         return
     block = TUNING["block_t"]
     kt.route_statistics_kernel[(triton.cdiv(tokens, block),)](

@@ -39,6 +39,12 @@ def _scores(logits, rows, row_in, cols, col_in, row_stride):
 
 
 @triton.jit
+def _slot(tile, slots, j):
+    """Column j of a [BLOCK_T, K_POW2] tile, as a [BLOCK_T] vector."""
+    return tl.sum(tl.where(slots[None, :] == j, tile, 0), axis=1)
+
+
+@triton.jit
 def route_fwd_kernel(logits, bias, topk_idx, weights, cutoff, T, row_stride, scale, E: tl.constexpr,
                      E_POW2: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_T: tl.constexpr):
     """topk_idx [T, K] int64, weights [T, K] fp32 (p, in slot order) and cutoff [T] fp32 (alpha)."""
@@ -91,8 +97,8 @@ def route_bwd_kernel(logits, topk_idx, dweights, dlogits, T, row_stride, scale, 
     cols = tl.arange(0, E_POW2)
     dense = tl.zeros([BLOCK_T, E_POW2], dtype=tl.float32)
     for j in tl.static_range(K):
-        idx_j = tl.sum(tl.where(slots[None, :] == j, idx, 0), axis=1)
-        dx_j = tl.sum(tl.where(slots[None, :] == j, dx, 0.0), axis=1)
+        idx_j = _slot(idx, slots, j)
+        dx_j = _slot(dx, slots, j)
         dense = tl.where(cols[None, :] == idx_j[:, None], dx_j[:, None], dense)
     offs = rows.to(tl.int64)[:, None] * E + cols[None, :]
     tl.store(dlogits + offs, dense.to(dlogits.dtype.element_ty), mask=row_in[:, None] & (cols[None, :] < E))
@@ -114,7 +120,7 @@ def route_statistics_kernel(logits, bias, topk_idx, cutoff, loads, hist, value_r
     idx = tl.load(topk_idx + rows.to(tl.int64)[:, None] * K + slots[None, :], mask=slot_mask, other=E_POW2)
     counts = tl.zeros([E_POW2], dtype=tl.int32)
     for j in tl.static_range(K):
-        idx_j = tl.sum(tl.where(slots[None, :] == j, idx, 0), axis=1)
+        idx_j = _slot(idx, slots, j)
         hit = (cols[None, :] == idx_j[:, None]) & row_in[:, None]
         counts += tl.sum(hit.to(tl.int32), axis=0)
     tl.atomic_add(loads + cols, counts.to(tl.int64), mask=col_in & (counts > 0))

@@ -17,7 +17,8 @@ from torch import Tensor
 # one program per token at 1024 x 4 warps).
 TUNING = dict(block=1024, warps=4)
 # The sort's one-hot tile, slots x experts (padded to a power of two): 128 slots a block at 64 experts,
-# int32, which compiles for sm_90 without register spills at 4 warps (256 slots spilled).
+# int32: 113 registers a thread for sm_90 at 4 warps (256 slots and int64 ranks took all 255;
+# benchmarks/sass_audit.py).
 SORT_TILE_SLOTS = 8192
 
 

@@ -364,7 +364,6 @@ class ExpertBalancer(nn.Module):
         the loads, and QB's histogram; not the exact quantile's required biases or the aux loss."""
         return self.mode in ("sign", "none") or self.uses_histogram
 
-    @torch.no_grad()
     def add_routed(self, logits: Tensor, topk_idx: Tensor, cutoff: Tensor) -> None:
         """``select``'s statistics for a micro-batch the fused router selected (``moe_lc.ops.routing``)
         from its logits, its choice and its cutoff, in one kernel; nothing outside training."""
@@ -373,6 +372,9 @@ class ExpertBalancer(nn.Module):
         from moe_lc.ops.routing import route_statistics  # the op module routes with this one's selection
 
         hist = self.histogram
+        if hist is not None and logits.shape[0] == 0:  # no tokens to bin: the range still follows the bias
+            with torch.no_grad():
+                hist.value_range.copy_(hist.range_for(self.bias))
         route_statistics(logits, self.bias, topk_idx, cutoff, self.step_loads,
                          hist.counts if hist is not None else None, hist.value_range if hist is not None else None)
 

@@ -83,13 +83,10 @@ def expert_order(topk_idx: Tensor, num_experts: int, backend: str = "torch") -> 
     kernels and a cumulative sum, where the reference launches about a dozen (the narrowing, the
     radix sort's passes and buffers, the search for the counts, the inverse's scatter); the same
     four tensors, exactly."""
-    probe = topk_idx if topk_idx.dim() == 2 else topk_idx.reshape(-1, 1)
-    reason = None if triton_available(probe.device.type) and probe.device.type in ("cuda", "cpu") else (
-        f"Triton cannot run on {probe.device} here (it needs CUDA and the triton package, or a CPU tensor under "
-        "TRITON_INTERPRET=1)")
+    reason = _device_unsupported_reason(topk_idx.device)
     if num_experts > MAX_SORT_EXPERTS:
         reason = f"the counting sort takes at most {MAX_SORT_EXPERTS} experts, got {num_experts}"
-    if choose_backend("expert_order", backend, "triton", reason, auto_takes_fast=probe.is_cuda) == "torch":
+    if choose_backend("expert_order", backend, "triton", reason, auto_takes_fast=topk_idx.is_cuda) == "torch":
         order, token_of_row, counts = sort_by_expert(topk_idx, num_experts)
         return order, token_of_row, counts, slot_rows(order, topk_idx.shape[1])
     return _expert_order(topk_idx, num_experts)
@@ -184,11 +181,19 @@ _gather.register_autograd(_gather_grad, setup_context=_gather_setup)
 
 # -- the dispatch ------------------------------------------------------------------------------------
 
+def _device_unsupported_reason(device: torch.device) -> Optional[str]:
+    """Why no Triton kernel can run on ``device`` here, or None."""
+    if device.type not in ("cuda", "cpu") or not triton_available(device.type):
+        return (f"Triton cannot run on {device} here (it needs CUDA and the triton package, or a CPU "
+                "tensor under TRITON_INTERPRET=1)")
+    return None
+
+
 def triton_unsupported_reason(x: Tensor, rows: Tensor) -> Optional[str]:
     """Why the Triton kernels cannot take x [rows, width] and rows [T, k] here, or None when they can."""
-    if x.device.type not in ("cuda", "cpu") or not triton_available(x.device.type):
-        return (f"Triton cannot run on {x.device} here (it needs CUDA and the triton package, or a CPU "
-                "tensor under TRITON_INTERPRET=1)")
+    reason = _device_unsupported_reason(x.device)
+    if reason is not None:
+        return reason
     if x.dtype not in _TRITON_DTYPES:
         return f"the kernels take fp32/bf16/fp16 rows, got {x.dtype}"
     if x.dim() != 2 or rows.dim() != 2 or rows.numel() != x.shape[0]:
