@@ -91,6 +91,20 @@ def test_fused_matches_float64_with_states(segment_chunks):
     assert_matches(x, h0, out, final, *fused_reference(x, h0, None))
 
 
+def test_zero_query_and_key_rows_normalise_to_zero_as_in_float64():
+    """A q or k row that is exactly zero (a zero projection, say) is 0 after the L2 norm only because
+    of its eps (x / sqrt(|x|^2 + 1e-6)); without it the kernels would divide 0 by 0. Output, final
+    state and every gradient finite and equal to float64's, with such rows inside and at the start
+    of a chunk."""
+    x, h0 = raw_inputs(1, 100, 2, 32, 32, num_states=1, seed=7)
+    with torch.no_grad():
+        for name, rows in (("q", [0, 5, 70]), ("k", [3, 5, 64])):
+            x[name][:, rows] = 0.0
+    out, final = chunk_kda_fused(x["q"], x["k"], x["v"], x["z"], x["beta"], x["A_log"], x["dt_bias"],
+                                 initial_state=h0, output_final_state=True)
+    assert_matches(x, h0, out, final, *fused_reference(x, h0, None))
+
+
 def test_state_value_block_fills_the_multiprocessors():
     """64 wide where the serial pass fills the SMs, else 16 wide where that does, else 64 (segments)."""
     from moe_lc_kernels.kda import state_value_block

@@ -2,7 +2,7 @@
 
 For every mutant in ``tests/mutation/mutants.py`` (or those named with ``--only``): copy the
 repository (the files git tracks plus untracked ones it does not ignore) to a temporary folder,
-apply the one edit, run the fast model/ops tests there with a timeout, and report whether some
+apply the one edit, run the fast model/ops tests (or the mutant's own ``tests``) there with a timeout, and report whether some
 test failed (killed) or all passed (survived). The unmutated copy runs first and must pass.
 
     python3 tests/mutation/mutate.py                 # all mutants, a table at the end
@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutants")
     parser.add_argument("--check", action="store_true", help="only check that every snippet is in the code")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant's test run (default 600)")
-    parser.add_argument("--tests", nargs="+", default=list(FAST_TESTS), help="test files to run per mutant")
+    parser.add_argument("--tests", nargs="+", help="test files to run per mutant (default: the mutant's own, "
+                                                  "else the fast tests)")
     args = parser.parse_args(argv)
 
     names = {m.name for m in MUTANTS}
@@ -160,15 +161,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(chosen)} mutants, every snippet found once")
         return 0
 
-    tests = tuple(args.tests)
+    tests_of = {m.name: tuple(args.tests) if args.tests else (m.tests or FAST_TESTS) for m in chosen}
+    every_test = tuple(dict.fromkeys(t for tests in tests_of.values() for t in tests))
     with repository_copy() as copy:
-        passed, failure = run_tests(copy, tests, args.timeout)
+        passed, failure = run_tests(copy, every_test, args.timeout)
     if not passed:
         print(f"the unmutated tests fail ({failure}): fix them before judging mutants", file=sys.stderr)
         return 2
     outcomes = []
     for i, m in enumerate(chosen, 1):
-        outcome = run_mutant(m, tests, args.timeout)
+        outcome = run_mutant(m, tests_of[m.name], args.timeout)
         outcomes.append(outcome)
         status = f"killed by {outcome.killer}" if outcome.killed else "SURVIVED"
         print(f"[{i}/{len(chosen)}] {m.name}: {status} ({outcome.seconds:.0f} s)", flush=True)
