@@ -74,6 +74,26 @@ def test_a_bad_layout_stops_before_any_process_group_or_file(capsys, tmp_path, m
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("model.moe.router_backend=triton", "moe.router_backend=triton: Triton cannot run on cpu here"),
+        ("model.moe.dispatch_backend=triton", "moe.dispatch_backend=triton: Triton cannot run on cpu here"),
+        ("model.attn_res.backend=triton", "attn_res.backend=triton: Triton cannot run on cpu here"),
+        ("model.kda.backend=triton", "kda.backend=triton: the triton KDA kernels need a CUDA device"),
+        ("model.kda.backend=fla", "kda.backend=fla: the fla KDA kernels need a CUDA device"),
+    ],
+)
+def test_a_kernel_backend_that_cannot_run_here_is_one_line_before_any_file(capsys, tmp_path, monkeypatch,
+                                                                           override, needle):
+    """Asked for by name on a CPU (without Triton's interpreter), each fast backend would raise inside the
+    first forward; the run refuses it up front, naming the setting and what to set instead."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    err = _fails(capsys, *ONE_STEP, f"run_dir={tmp_path / 'run'}", override)
+    assert needle in err and "set it to auto" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_more_processes_than_gpus_on_a_node_is_one_line(capsys, tmp_path, monkeypatch):
     """torchrun --nproc-per-node 2 on a one-GPU machine: both ranks would take cuda:0, and NCCL
     would stop at the first collective ("Duplicate GPU detected"); the trainer says so first."""

@@ -9,6 +9,19 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
+from moe_lc_kernels import triton_available
+
+
+def triton_device_reason(device: torch.device) -> Optional[str]:
+    """Why no Triton kernel can run on ``device`` here (None when one can): the first thing every op's
+    Triton path checks, and what a run that asks for one checks before it builds the model."""
+    if device.type not in ("cuda", "cpu") or not triton_available(device.type):
+        return (f"Triton cannot run on {device} here (it needs CUDA and the triton package, or a CPU "
+                "tensor under TRITON_INTERPRET=1)")
+    return None
+
 
 def choose_backend(op: str, backend: str, fast: str, unsupported: Optional[str], auto_takes_fast: bool) -> str:
     """"torch" or ``fast`` for a request ``backend`` in ("auto", "torch", ``fast``).

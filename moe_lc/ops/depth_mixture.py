@@ -17,8 +17,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from moe_lc.ops.backend_choice import choose_backend
-from moe_lc_kernels import triton_available
+from moe_lc.ops.backend_choice import choose_backend, triton_device_reason
 from moe_lc_kernels.depth_mixture import MAX_SOURCES, GradientSum, depth_mixture_triton
 
 __all__ = ["depth_mixture_reference", "depth_mixture", "resolve_backend", "triton_unsupported_reason", "GradientSum"]
@@ -95,9 +94,9 @@ def depth_mixture_reference(sources: list[Tensor], query: Tensor, norm_weight: T
 def triton_unsupported_reason(sources: list[Tensor], query: Tensor, norm_weight: Tensor) -> Optional[str]:
     """Why the Triton kernels cannot take these inputs here, or None when they can."""
     first = sources[0]
-    if first.device.type not in ("cuda", "cpu") or not triton_available(first.device.type):
-        return (f"Triton cannot run on {first.device} here (it needs CUDA and the triton package, or a CPU "
-                "tensor under TRITON_INTERPRET=1)")
+    reason = triton_device_reason(first.device)
+    if reason is not None:
+        return reason
     if len(sources) > MAX_SOURCES:
         return f"the kernels take at most {MAX_SOURCES} sources, got {len(sources)}"
     tensors = [*sources, query, norm_weight]

@@ -80,6 +80,22 @@ def _fla_available(q: Tensor) -> bool:
 
 _BACKENDS = {"triton": (_triton, _triton_available), "fla": (_fla, _fla_available), "torch": (_torch, lambda q: True)}
 
+KERNEL_PACKAGES = {"triton": ("triton", "moe_lc_kernels"), "fla": ("fla",)}
+
+
+def kernels_unavailable_reason(backend: str, device: torch.device) -> str | None:
+    """Why the ``backend`` kernels ("triton", "fla") cannot run on ``device`` here, or None (the other
+    backends run anywhere): what a run that asks for them checks before it builds the model."""
+    if backend not in KERNEL_PACKAGES:
+        return None
+    missing = [pkg for pkg in KERNEL_PACKAGES[backend] if not _installed(pkg)]
+    if device.type == "cuda" and not missing:
+        return None
+    packages = KERNEL_PACKAGES[backend]
+    needs = " and ".join(packages) + (" packages" if len(packages) > 1 else " package")
+    here = f"{device}" + (f", without {', '.join(missing)}" if missing else "")
+    return f"the {backend} KDA kernels need a CUDA device and the {needs} (here: {here})"
+
 
 def chunk_kda_from_projections(
     q: Tensor,

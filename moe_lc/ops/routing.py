@@ -20,8 +20,7 @@ from torch import Tensor
 
 from moe_lc.model.balancing import route_with_cutoff
 from moe_lc.model.precision import upcast
-from moe_lc.ops.backend_choice import choose_backend
-from moe_lc_kernels import triton_available
+from moe_lc.ops.backend_choice import choose_backend, triton_device_reason
 from moe_lc_kernels.routing import route_backward_triton, route_statistics_triton, route_triton
 
 __all__ = ["routing_weights", "route_reference", "route_topk", "route_statistics", "resolve_backend", "triton_unsupported_reason"]
@@ -98,9 +97,9 @@ def _(logits, bias, topk_idx, cutoff, loads, hist, value_range) -> None:
 
 def triton_unsupported_reason(logits: Tensor, top_k: int, bias: Optional[Tensor] = None) -> Optional[str]:
     """Why the Triton kernels cannot route these logits here, or None when they can."""
-    if logits.device.type not in ("cuda", "cpu") or not triton_available(logits.device.type):
-        return (f"Triton cannot run on {logits.device} here (it needs CUDA and the triton package, or a CPU "
-                "tensor under TRITON_INTERPRET=1)")
+    reason = triton_device_reason(logits.device)
+    if reason is not None:
+        return reason
     if type(logits) is not torch.Tensor or (bias is not None and type(bias) is not torch.Tensor):
         return f"the kernels take plain tensors, got {type(logits).__name__} logits and a {type(bias).__name__} bias"
     if logits.dim() != 2 or logits.dtype not in _TRITON_DTYPES:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moe_lc.ops.backend_choice import choose_backend, triton_device_reason
 from moe_lc.ops.documents import DocumentBounds
 
 __all__ = ["position_in_document", "causal_depthwise_conv", "short_conv", "short_conv_pieces", "convolve_at_positions",
@@ -86,12 +87,9 @@ def _check(x: Tensor, weight: Tensor, cu_seqlens: Optional[Tensor], activation, 
 
 def triton_unsupported_reason(x: Tensor, weight: Tensor) -> Optional[str]:
     """Why the Triton kernels cannot take these inputs here, or None when they can."""
-    from moe_lc_kernels import triton_available
-
-    device = x.device.type
-    if device not in ("cuda", "cpu") or not triton_available(device):
-        return (f"Triton cannot run on {x.device} here (it needs CUDA and the triton package, or a CPU "
-                "tensor under TRITON_INTERPRET=1)")
+    reason = triton_device_reason(x.device)
+    if reason is not None:
+        return reason
     if x.dtype not in _TRITON_DTYPES or weight.dtype not in _TRITON_DTYPES:
         return f"the kernels take fp32/bf16/fp16 x and weight, got {x.dtype} and {weight.dtype}"
     if weight.shape[1] > _TRITON_MAX_WIDTH:
@@ -106,12 +104,8 @@ def resolve_backend(x: Tensor, weight: Tensor, backend: str = "auto") -> str:
     interpreter); an explicit "triton" that cannot run here is an error, not a silent fallback."""
     if backend == "torch":
         return "torch"
-    reason = triton_unsupported_reason(x, weight)
-    if backend == "auto":
-        return "triton" if x.is_cuda and reason is None else "torch"
-    if reason is not None:
-        raise RuntimeError(f'short_conv: backend "triton" unavailable: {reason}; use backend="torch" (or "auto")')
-    return "triton"
+    return choose_backend("short_conv", backend, "triton", triton_unsupported_reason(x, weight),
+                          auto_takes_fast=x.is_cuda)
 
 
 def short_conv(

@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe_lc.ops.backend_choice import choose_backend
-from moe_lc_kernels import triton_available
+from moe_lc.ops.backend_choice import choose_backend, triton_device_reason
 from moe_lc_kernels.situ_glu import situ_glu_stacked_triton, situ_glu_triton
 
 __all__ = ["situ_glu_reference", "situ_glu", "swiglu", "glu_activation", "glu_activation_stacked",
@@ -37,9 +36,9 @@ def swiglu(a: Tensor, c: Tensor) -> Tensor:
 
 def triton_unsupported_reason(a: Tensor, c: Tensor) -> Optional[str]:
     """Why the Triton kernels cannot take these inputs here, or None when they can."""
-    if a.device.type not in ("cuda", "cpu") or not triton_available(a.device.type):
-        return (f"Triton cannot run on {a.device} here (it needs CUDA and the triton package, or a CPU "
-                "tensor under TRITON_INTERPRET=1)")
+    reason = triton_device_reason(a.device)
+    if reason is not None:
+        return reason
     if a.shape != c.shape:
         return f"the kernels take a and c of one shape (no broadcasting), got {tuple(a.shape)} and {tuple(c.shape)}"
     if a.dtype != c.dtype or a.dtype not in _TRITON_DTYPES:

@@ -21,8 +21,7 @@ import torch
 from torch import Tensor
 
 from moe_lc.model.precision import upcast
-from moe_lc.ops.backend_choice import choose_backend
-from moe_lc_kernels import triton_available
+from moe_lc.ops.backend_choice import choose_backend, triton_device_reason
 from moe_lc_kernels.token_permutation import combine_backward_triton, sort_by_expert_triton, sum_token_rows_triton
 
 __all__ = ["sort_by_expert", "slot_rows", "expert_order", "gather_by_expert", "combine_by_token", "combine", "resolve_backend",
@@ -83,7 +82,7 @@ def expert_order(topk_idx: Tensor, num_experts: int, backend: str = "torch") -> 
     kernels and a cumulative sum, where the reference launches about a dozen (the narrowing, the
     radix sort's passes and buffers, the search for the counts, the inverse's scatter); the same
     four tensors, exactly."""
-    reason = _device_unsupported_reason(topk_idx.device)
+    reason = triton_device_reason(topk_idx.device)
     if num_experts > MAX_SORT_EXPERTS:
         reason = f"the counting sort takes at most {MAX_SORT_EXPERTS} experts, got {num_experts}"
     if choose_backend("expert_order", backend, "triton", reason, auto_takes_fast=topk_idx.is_cuda) == "torch":
@@ -181,17 +180,9 @@ _gather.register_autograd(_gather_grad, setup_context=_gather_setup)
 
 # -- the dispatch ------------------------------------------------------------------------------------
 
-def _device_unsupported_reason(device: torch.device) -> Optional[str]:
-    """Why no Triton kernel can run on ``device`` here, or None."""
-    if device.type not in ("cuda", "cpu") or not triton_available(device.type):
-        return (f"Triton cannot run on {device} here (it needs CUDA and the triton package, or a CPU "
-                "tensor under TRITON_INTERPRET=1)")
-    return None
-
-
 def triton_unsupported_reason(x: Tensor, rows: Tensor) -> Optional[str]:
     """Why the Triton kernels cannot take x [rows, width] and rows [T, k] here, or None when they can."""
-    reason = _device_unsupported_reason(x.device)
+    reason = triton_device_reason(x.device)
     if reason is not None:
         return reason
     if x.dtype not in _TRITON_DTYPES:

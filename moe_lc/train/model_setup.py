@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from moe_lc.config import ConfigError, ModelConfig
+from moe_lc.ops.backend_choice import triton_device_reason
+from moe_lc.ops.kda_projections import kernels_unavailable_reason
 from moe_lc.optim import OptimConfig, build_optimizer, clip_grad_norm
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
 from moe_lc.parallel.compile import RegionalCompile, apply_compile
@@ -88,6 +90,20 @@ def float8_policy(cfg: TrainConfig) -> Optional[Float8Training]:
     return cfg.float8 if cfg.precision == "fp8" else None
 
 
+def check_backends_run_here(cfg: ModelConfig, device: torch.device) -> None:
+    """A fast backend asked for by name (not "auto") that cannot run on ``device`` is a config error
+    before anything is built: the op itself would refuse it too, but only inside the first forward,
+    as a traceback."""
+    triton_ops = {"attn_res.backend": cfg.attn_res.backend, "moe.dispatch_backend": cfg.moe.dispatch_backend,
+                  "moe.router_backend": cfg.moe.router_backend}
+    problems = [(f"kda.backend={cfg.kda.backend}", kernels_unavailable_reason(cfg.kda.backend, device))]
+    problems += [(f"{field}=triton", triton_device_reason(device)) for field, value in triton_ops.items()
+                 if value == "triton"]
+    for setting, reason in problems:
+        if reason is not None:
+            raise ConfigError(f"{setting}: {reason}; set it to auto (the fastest backend that runs here) or torch")
+
+
 def build_model_state(
     model_cfg: ModelConfig,
     optim_cfg: OptimConfig,
@@ -106,6 +122,7 @@ def build_model_state(
     from moe_lc.model.init import build_model
 
     layout.validate(model_cfg, runnable=True)  # before building anything
+    check_backends_run_here(model_cfg, runtime.device)
     checkpointing = (checkpointing or ActivationCheckpointing()).check()
     weights = torch.float64 if runtime.compute_dtype == torch.float64 else torch.float32
     model = build_model(model_cfg, device=runtime.device, seed=seed, dtype=weights)

@@ -2,8 +2,8 @@
 
 For every mutant in ``tests/mutation/mutants.py`` (or those named with ``--only``): copy the
 repository (the files git tracks plus untracked ones it does not ignore) to a temporary folder,
-apply the one edit, run the fast model/ops tests (or the mutant's own ``tests``) there with a timeout, and report whether some
-test failed (killed) or all passed (survived). The unmutated copy runs first and must pass.
+apply the one edit, run the fast model/ops tests (or the mutant's own ``tests``) there with a
+timeout, and report whether some test failed (killed) or all passed (survived). The unmutated copy runs first and must pass.
 
     python3 tests/mutation/mutate.py                 # all mutants, a table at the end
     python3 tests/mutation/mutate.py --only router-softmax attnres-query-sign
