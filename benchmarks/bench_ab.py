@@ -10,8 +10,14 @@ variant with the run-to-run spread beside it:
     python benchmarks/bench_ab.py k3-small-8k --variant base= \\
         --variant router=model.moe.router_backend=triton --rounds 2 --steps 5 --warmup 3 [--out ab.json]
 
-A variant is NAME=OVERRIDES (space-separated Hydra overrides, empty for the recipe as it is); the
-positional arguments are the recipe and overrides shared by all. Needs the devices the recipe
+A variant is NAME=OVERRIDES (space-separated Hydra overrides, empty for the recipe as it is); a word
+VAR=VALUE whose VAR is upper case is set in that variant's environment instead, which is how a
+kernel's launch choices are tried in the whole step:
+
+    python benchmarks/bench_ab.py k3-small-8k --variant base= \
+        --variant conv64=MOE_LC_SHORT_CONV_TUNING=bwd_bt=64 --rounds 2 --steps 5 --warmup 3
+
+The positional arguments are the recipe and overrides shared by all. Needs the devices the recipe
 runs on; `python -m moe_lc.cli` must be importable (installed, or on PYTHONPATH).
 """
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -34,13 +41,23 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     return name, overrides.split()
 
 
+ENVIRONMENT_WORD = re.compile(r"[A-Z][A-Z0-9_]*=")  # Hydra's keys are the config's lower-case fields
+
+
+def split_environment(words: list[str]) -> tuple[list[str], dict[str, str]]:
+    """A variant's words as (Hydra overrides, environment variables): VAR=VALUE with VAR upper case."""
+    env = dict(w.split("=", 1) for w in words if ENVIRONMENT_WORD.match(w))
+    return [w for w in words if not ENVIRONMENT_WORD.match(w)], env
+
+
 def run_once(shared: list[str], overrides: list[str], steps: int, warmup: int, timeout: float) -> dict:
-    """One `moe-lc bench` call in its own process; its JSON report."""
+    """One `moe-lc bench` call in its own process, with the variant's environment words set; its JSON report."""
+    overrides, env = split_environment(overrides)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
         cmd = [sys.executable, "-m", "moe_lc.cli", "bench", *shared, *overrides, "--steps", str(steps),
                "--warmup", str(warmup), "--json", str(out)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **env})
         if done.returncode != 0 or not out.exists():
             raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-2000:]}")
         return json.loads(out.read_text())

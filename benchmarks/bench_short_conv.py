@@ -21,6 +21,7 @@ import torch
 
 from bench_expert_gemms import gpu_ms  # this folder is on sys.path when run as a script
 import moe_lc_kernels.short_conv as kernels
+from moe_lc_kernels.tuning import parse_launch_choices
 from moe_lc.ops.documents import DocumentBounds
 from moe_lc.ops.short_conv import short_conv_pieces
 
@@ -32,14 +33,10 @@ SHAPES = {  # name: (B, T, C, pieces, documents per row)
 
 def parse_tunings(text: str) -> list[dict[str, int]]:
     """'a=1,b=2;c=3' -> [{'a': 1, 'b': 2}, {'c': 3}]; '' -> [{}] (the defaults)."""
-    sets = []
-    for part in (text or "").split(";"):
-        entries = [kv.split("=") for kv in part.split(",") if kv.strip()]
-        unknown = [k for k, _ in entries if k not in kernels.TUNING]
-        if unknown:
-            raise SystemExit(f"bench_short_conv: unknown tuning keys {unknown}; choose from {sorted(kernels.TUNING)}")
-        sets.append({k.strip(): int(v) for k, v in entries})
-    return sets or [{}]
+    try:
+        return [parse_launch_choices(part, kernels.TUNING, "short conv") for part in (text or "").split(";")]
+    except ValueError as err:
+        raise SystemExit(f"bench_short_conv: {err}") from None
 
 
 def documents(T: int, count: int, seed: int) -> DocumentBounds | None:

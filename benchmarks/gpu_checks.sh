@@ -42,6 +42,10 @@ step compare_paths_router python benchmarks/compare_paths.py --recipe proxy-8k -
     curriculum.stages.ctx8k.global_batch_tokens=16384 curriculum.stages.ctx8k.micro_batch=1 \
     +curriculum.stages.ctx8k.activation_checkpointing.kda_states=true model.moe.router_backend=triton \
     --out "$OUT/compare_paths_router.json"
+# the short convolution's dx / dweight kernel at 64-row tiles (no register spill, §12.11) in the whole
+# step, interleaved against its default 128-row tiles (~8 minutes: STEP_TIMEOUT=580)
+step ab_short_conv python benchmarks/bench_ab.py k3-small-8k --variant base= \
+    --variant conv64=MOE_LC_SHORT_CONV_TUNING=bwd_bt=64 --rounds 2 --steps 5 --warmup 3 --out "$OUT/ab_short_conv.json"
 # the proxy through the trainer on every GPU here, its stages unedited (one and two GPUs: issue 17)
 step train_proxy_8k torchrun --standalone --nproc-per-node "$(python -c 'import torch; print(torch.cuda.device_count())')" \
     -m moe_lc.train recipe=proxy-8k max_steps=20 run_dir="$OUT/run_proxy_8k" eval.sequences=0 eval.passkey_documents=0

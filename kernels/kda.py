@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from moe_lc_kernels.transfer import upload_tables
+from moe_lc_kernels.tuning import parse_launch_choices
 
 CHUNK = 64
 # Launch choices (docs/performance.md §4.9); MOE_LC_KDA_TUNING="key=value,..." overrides.
@@ -85,15 +86,7 @@ _TEXT_TUNING = {"save_prep": ("none", "inverse", "all"),
 
 def parse_tuning(text: str) -> dict:
     """``"key=value,..."`` as TUNING entries; unknown keys and malformed items are errors."""
-    out = {}
-    for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or key not in TUNING:
-            raise ValueError(f"KDA tuning item {item!r}: expected key=value with key one of {sorted(TUNING)}")
-        if key in _TEXT_TUNING and value not in _TEXT_TUNING[key]:
-            raise ValueError(f"KDA tuning item {item!r}: {key} is one of {_TEXT_TUNING[key]}")
-        out[key] = value if key in _TEXT_TUNING else int(value)
-    return out
+    return parse_launch_choices(text, TUNING, "KDA", _TEXT_TUNING)
 
 
 TUNING.update(parse_tuning(os.environ.get("MOE_LC_KDA_TUNING", "")))

@@ -11,10 +11,13 @@ inputs and picks these kernels or its PyTorch reference).
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 from torch import Tensor
+
+from moe_lc_kernels.tuning import parse_launch_choices
 
 MAX_WIDTH = 8  # taps are unrolled in the kernels
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -24,7 +27,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # choices tried: docs/performance.md §8): forward and SiLU backward 64 x 64 at 4 warps, dx/dweight
 # 128 x 64 at 4 warps: f+b 0.63 ms (64 x 64 at 8 warps everywhere: 0.92; torch: 5.57). The fwd_*
 # choices also launch the SiLU backward kernel.
+# MOE_LC_SHORT_CONV_TUNING="key=value,..." overrides (a choice tried in a whole step: benchmarks/bench_ab.py).
 TUNING = dict(fwd_bt=64, fwd_bc=64, fwd_warps=4, bwd_bt=128, bwd_bc=64, bwd_warps=4)
+TUNING.update(parse_launch_choices(os.environ.get("MOE_LC_SHORT_CONV_TUNING", ""), TUNING, "short conv"))
 
 
 def _blocks(T: int, C: int, prefix: str) -> tuple[int, int, int]:

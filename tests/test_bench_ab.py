@@ -61,3 +61,37 @@ def test_a_variant_is_name_equals_overrides():
     assert ab.parse_variant("r=a=1 b=2") == ("r", ["a=1", "b=2"])
     with pytest.raises(Exception, match="NAME=OVERRIDES"):
         ab.parse_variant("no-equals")
+
+
+def test_upper_case_words_of_a_variant_go_to_its_environment_not_to_hydra(monkeypatch):
+    """MOE_LC_SHORT_CONV_TUNING=bwd_bt=64 is set for that run's process; lower-case words stay overrides."""
+    ab = _script()
+    assert ab.split_environment(["model.moe.router_backend=triton", "MOE_LC_KDA_TUNING=ktile_bk=32,kside_bk=32"]) == (
+        ["model.moe.router_backend=triton"], {"MOE_LC_KDA_TUNING": "ktile_bk=32,kside_bk=32"})
+    seen = {}
+
+    def fake_subprocess_run(cmd, env, **kwargs):
+        seen.update(cmd=cmd, env=env)
+        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(dict(step_times_s=[1.0])))
+        return type("Done", (), dict(returncode=0, stderr=""))()
+
+    monkeypatch.setattr(ab.subprocess, "run", fake_subprocess_run)
+    monkeypatch.setenv("KEPT_FROM_THE_CALLER", "1")
+    ab.run_once(["smoke"], ["x.y=1", "MOE_LC_SHORT_CONV_TUNING=bwd_bt=64"], steps=2, warmup=0, timeout=10)
+    assert seen["env"]["MOE_LC_SHORT_CONV_TUNING"] == "bwd_bt=64" and seen["env"]["KEPT_FROM_THE_CALLER"] == "1"
+    assert "x.y=1" in seen["cmd"] and not any(w.startswith("MOE_LC_") for w in seen["cmd"])
+
+
+def test_a_short_conv_launch_choice_from_the_environment_reaches_the_kernels():
+    """What such a variant relies on: MOE_LC_SHORT_CONV_TUNING is read when the kernels' module loads."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import moe_lc_kernels.short_conv as s; print(s.TUNING['bwd_bt'], s.TUNING['fwd_bt'])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "MOE_LC_SHORT_CONV_TUNING": "bwd_bt=64"})
+    assert done.stdout.split() == ["64", "64"], done.stderr
+    bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "MOE_LC_SHORT_CONV_TUNING": "bwd_tile=64"})
+    assert bad.returncode != 0 and "short conv tuning item 'bwd_tile=64'" in bad.stderr
