@@ -17,6 +17,12 @@ kernel's launch choices are tried in the whole step:
     python benchmarks/bench_ab.py k3-small-8k --variant base= \
         --variant conv64=MOE_LC_SHORT_CONV_TUNING=bwd_bt=64 --rounds 2 --steps 5 --warmup 3
 
+A word @TREE runs that variant's `moe-lc` from the directory TREE (another checkout, with its
+moe_lc/, kernels/ and recipes/), so a code change is timed against its own baseline in one call:
+
+    git worktree add .base HEAD~1     # then carry .base to the GPU machine
+    python benchmarks/bench_ab.py k3-small-8k --variant before=@.base --variant after= --rounds 2
+
 The positional arguments are the recipe and overrides shared by all. Needs the devices the recipe
 runs on; `python -m moe_lc.cli` must be importable (installed, or on PYTHONPATH).
 """
@@ -42,18 +48,37 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 
 ENVIRONMENT_WORD = re.compile(r"[A-Z][A-Z0-9_]*=")  # Hydra's keys are the config's lower-case fields
+PACKAGES = {"moe_lc": "moe_lc", "moe_lc_kernels": "kernels", "moe_lc_recipes": "recipes"}  # import name: folder
 
 
-def split_environment(words: list[str]) -> tuple[list[str], dict[str, str]]:
-    """A variant's words as (Hydra overrides, environment variables): VAR=VALUE with VAR upper case."""
-    env = dict(w.split("=", 1) for w in words if ENVIRONMENT_WORD.match(w))
-    return [w for w in words if not ENVIRONMENT_WORD.match(w)], env
+def variant_environment(words: list[str], scratch: Path) -> tuple[list[str], dict[str, str]]:
+    """A variant's words as (Hydra overrides, environment of its run): VAR=VALUE with VAR upper case is
+    set there; @TREE puts a shim in ``scratch`` first on PYTHONPATH, importing moe-lc's packages from TREE."""
+    env, overrides = {}, []
+    for word in words:
+        if ENVIRONMENT_WORD.match(word):
+            name, value = word.split("=", 1)
+            env[name] = value
+        elif word.startswith("@"):
+            tree = Path(word[1:]).resolve()
+            missing = [folder for folder in PACKAGES.values() if not (tree / folder).is_dir()]
+            if missing:
+                raise SystemExit(f"bench_ab: {word}: {tree} is not a moe-lc tree (no {', '.join(missing)}/)")
+            shim = scratch / "tree"
+            shim.mkdir()
+            for name, folder in PACKAGES.items():
+                (shim / name).symlink_to(tree / folder)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")]))
+        else:
+            overrides.append(word)
+    return overrides, env
 
 
-def run_once(shared: list[str], overrides: list[str], steps: int, warmup: int, timeout: float) -> dict:
-    """One `moe-lc bench` call in its own process, with the variant's environment words set; its JSON report."""
-    overrides, env = split_environment(overrides)
+def run_once(shared: list[str], words: list[str], steps: int, warmup: int, timeout: float) -> dict:
+    """One `moe-lc bench` call in its own process, with the variant's overrides, environment and tree;
+    its JSON report."""
     with tempfile.TemporaryDirectory() as tmp:
+        overrides, env = variant_environment(words, Path(tmp))
         out = Path(tmp) / "bench.json"
         cmd = [sys.executable, "-m", "moe_lc.cli", "bench", *shared, *overrides, "--steps", str(steps),
                "--warmup", str(warmup), "--json", str(out)]

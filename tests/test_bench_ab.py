@@ -66,7 +66,8 @@ def test_a_variant_is_name_equals_overrides():
 def test_upper_case_words_of_a_variant_go_to_its_environment_not_to_hydra(monkeypatch):
     """MOE_LC_SHORT_CONV_TUNING=bwd_bt=64 is set for that run's process; lower-case words stay overrides."""
     ab = _script()
-    assert ab.split_environment(["model.moe.router_backend=triton", "MOE_LC_KDA_TUNING=ktile_bk=32,kside_bk=32"]) == (
+    assert ab.variant_environment(["model.moe.router_backend=triton", "MOE_LC_KDA_TUNING=ktile_bk=32,kside_bk=32"],
+                                  Path("unused")) == (
         ["model.moe.router_backend=triton"], {"MOE_LC_KDA_TUNING": "ktile_bk=32,kside_bk=32"})
     seen = {}
 
@@ -95,3 +96,27 @@ def test_a_short_conv_launch_choice_from_the_environment_reaches_the_kernels():
     bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "MOE_LC_SHORT_CONV_TUNING": "bwd_tile=64"})
     assert bad.returncode != 0 and "short conv tuning item 'bwd_tile=64'" in bad.stderr
+
+
+def test_a_tree_word_runs_the_variant_from_that_checkout(tmp_path, monkeypatch):
+    """@TREE: the run imports moe_lc, moe_lc_kernels and moe_lc_recipes from TREE (a baseline checkout),
+    not from this one; a directory that is not a moe-lc tree is refused in one line."""
+    import os
+    import subprocess
+    import sys
+
+    ab = _script()
+    tree = tmp_path / "baseline"
+    for folder in ("moe_lc", "kernels", "recipes"):
+        (tree / folder).mkdir(parents=True)
+        (tree / folder / "__init__.py").write_text(f"WHERE = {folder!r}\n")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    overrides, env = ab.variant_environment([f"@{tree}", "x.y=1"], scratch)
+    assert overrides == ["x.y=1"]
+    code = "import moe_lc, moe_lc_kernels, moe_lc_recipes as r; print(moe_lc.WHERE, moe_lc_kernels.WHERE, r.WHERE)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **env}, cwd=tmp_path)
+    assert done.stdout.split() == ["moe_lc", "kernels", "recipes"], done.stderr
+    with pytest.raises(SystemExit, match="is not a moe-lc tree"):
+        ab.variant_environment([f"@{tmp_path / 'scratch'}"], tmp_path)
