@@ -139,6 +139,8 @@ COMMANDS: dict[str, object] = {
         "moe-lc bench k3-small-8k --steps 4 --warmup 3",
         "python benchmarks/bench_ab.py k3-small-8k --variant base= --variant router=model.moe.router_backend=triton "
         "--rounds 2 --steps 5 --warmup 3",
+        "python benchmarks/bench_ab.py k3-small-8k --variant base= --variant conv64=MOE_LC_SHORT_CONV_TUNING=bwd_bt=64 "
+        "--rounds 2 --steps 5 --warmup 3",
         "moe-lc bench proxy-8k curriculum.stages.ctx8k.global_batch_tokens=131072 --steps 4 --warmup 3 --trace DIR",
         "moe-lc bench proxy-64k curriculum.stages.ctx64k.global_batch_tokens=65536 --steps 2 --warmup 2 --trace DIR",
         "moe-lc bench proxy-8k compile.enabled=false curriculum.stages.ctx8k.global_batch_tokens=131072 "
