@@ -94,6 +94,18 @@ def test_a_kernel_backend_that_cannot_run_here_is_one_line_before_any_file(capsy
     assert not (tmp_path / "run").exists()
 
 
+def test_an_unknown_kernel_launch_choice_in_the_environment_is_one_line(capsys, tmp_path, monkeypatch):
+    """MOE_LC_SHORT_CONV_TUNING with a key the kernels do not have: refused up front (its module reads it
+    when it first loads, which on a GPU is inside the first forward)."""
+    import sys
+
+    monkeypatch.setenv("MOE_LC_SHORT_CONV_TUNING", "bwd_tile=64")
+    monkeypatch.delitem(sys.modules, "moe_lc_kernels.short_conv", raising=False)
+    err = _fails(capsys, *ONE_STEP, f"run_dir={tmp_path / 'run'}")
+    assert err.startswith("error: MOE_LC_SHORT_CONV_TUNING='bwd_tile=64': short conv tuning item 'bwd_tile=64'"), err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
 def test_more_processes_than_gpus_on_a_node_is_one_line(capsys, tmp_path, monkeypatch):
     """torchrun --nproc-per-node 2 on a one-GPU machine: both ranks would take cuda:0, and NCCL
     would stop at the first collective ("Duplicate GPU detected"); the trainer says so first."""

@@ -9,6 +9,8 @@ With pp > 1 the rank's model holds its pipeline stages only and `ModelState.pipe
 
 from __future__ import annotations
 
+import importlib
+import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
@@ -90,10 +92,20 @@ def float8_policy(cfg: TrainConfig) -> Optional[Float8Training]:
     return cfg.float8 if cfg.precision == "fp8" else None
 
 
+# environment variables with kernel launch choices, and the module that reads each when it loads
+KERNEL_TUNING_VARIABLES = {"MOE_LC_KDA_TUNING": "moe_lc_kernels.kda", "MOE_LC_SHORT_CONV_TUNING": "moe_lc_kernels.short_conv"}
+
+
 def check_backends_run_here(cfg: ModelConfig, device: torch.device) -> None:
-    """A fast backend asked for by name (not "auto") that cannot run on ``device`` is a config error
-    before anything is built: the op itself would refuse it too, but only inside the first forward,
-    as a traceback."""
+    """A fast backend asked for by name (not "auto") that cannot run on ``device``, or a kernel launch
+    choice in the environment that its kernels do not know, is a config error before anything is
+    built: the op would refuse it too, but only inside the first forward, as a traceback."""
+    for variable, module in KERNEL_TUNING_VARIABLES.items():
+        if os.environ.get(variable):
+            try:
+                importlib.import_module(module)  # parses the variable
+            except ValueError as err:
+                raise ConfigError(f"{variable}={os.environ[variable]!r}: {err}") from None
     triton_ops = {"attn_res.backend": cfg.attn_res.backend, "moe.dispatch_backend": cfg.moe.dispatch_backend,
                   "moe.router_backend": cfg.moe.router_backend}
     problems = [(f"kda.backend={cfg.kda.backend}", kernels_unavailable_reason(cfg.kda.backend, device))]
