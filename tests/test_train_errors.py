@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed
 
+from moe_lc.config import ConfigError
 from moe_lc.report import load_run
 from moe_lc.train.main import run_train_cli
 
@@ -104,6 +105,37 @@ def test_an_unknown_kernel_launch_choice_in_the_environment_is_one_line(capsys, 
     err = _fails(capsys, *ONE_STEP, f"run_dir={tmp_path / 'run'}")
     assert err.startswith("error: MOE_LC_SHORT_CONV_TUNING='bwd_tile=64': short conv tuning item 'bwd_tile=64'"), err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_a_model_whose_state_alone_exceeds_the_memory_is_refused_before_it_is_built(capsys, tmp_path, monkeypatch):
+    """The proxy's fp32 weights, gradients and AdamW moments are ~8.1 GiB on one rank: with 4 GiB to fill
+    the run stops in one line (on a CPU it would otherwise end in an allocation error or the OOM killer),
+    before the model or the run directory exists; with 16 GiB the check passes."""
+    import moe_lc.train.fits as fits
+    from moe_lc.model import init
+
+    monkeypatch.setattr(fits, "rank_memory_bytes", lambda device: 4 * 2**30)
+    monkeypatch.setattr(init, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    err = _fails(capsys, "recipe=proxy-8k", f"run_dir={tmp_path / 'run'}")
+    assert err.startswith("error: stage ctx8k: model proxy's weights, gradients and adamw state"), err
+    assert "more than the 4.0 GiB" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_state_check_counts_weights_gradients_and_both_adamw_moments():
+    """16 bytes a parameter on one rank (fp32 weights and gradients, two fp32 moments): within the
+    planner's own count, which the check uses, and refused just below it."""
+    from moe_lc.model.accounting import count_parameters
+    from moe_lc.train.curriculum import plan_curriculum
+    from moe_lc.train.fits import check_state_fits
+    from moe_lc.train.recipes import compose_recipe
+
+    cfg = compose_recipe("proxy-8k", [])
+    plans = [p for p in plan_curriculum(cfg, 1) if p.run][:1]
+    state = 16 * count_parameters(cfg.model).total
+    check_state_fits(cfg, plans, torch.device("cpu"), memory=1.01 * state)
+    with pytest.raises(ConfigError, match="before any activation"):
+        check_state_fits(cfg, plans, torch.device("cpu"), memory=0.99 * state)
 
 
 def test_more_processes_than_gpus_on_a_node_is_one_line(capsys, tmp_path, monkeypatch):

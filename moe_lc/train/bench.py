@@ -55,6 +55,7 @@ from moe_lc.parallel.compile import compiled_modules
 from moe_lc.train.config import TrainConfig
 from moe_lc.train.curriculum import StagePlan, plan_curriculum, total_steps
 from moe_lc.train.data import build_stage_data
+from moe_lc.train.fits import check_state_fits
 from moe_lc.train.model_setup import build_model_state, float8_policy
 from moe_lc.train.plan import estimate_stage
 from moe_lc.train.runtime import Runtime, init_runtime
@@ -159,6 +160,7 @@ def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled
     plan = next((p for p in plans if p.run), None)
     if plan is None:
         raise ConfigError("the recipe runs no stage (curriculum.run, max_steps): pick one with --stage NAME")
+    check_state_fits(cfg, [plan], device)
     matmul_peak = measured_matmul_peak(device)  # before the model: the device is otherwise idle
     reset_peak_memory(device)
     state = build_model_state(cfg.model, cfg.optim, plan.layout, runtime, cfg.seed, plan.checkpointing, plan.seq_len,

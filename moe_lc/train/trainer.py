@@ -46,6 +46,7 @@ from moe_lc.train.data import StageData, build_stage_data, eval_dataset
 from moe_lc.train.evaluation import describe_eval, evaluate_stage
 from moe_lc.train.hangs import Activity, CollectiveFailure, is_collective_failure
 from moe_lc.train.health import Heartbeat, StragglerWatch
+from moe_lc.train.fits import check_state_fits
 from moe_lc.train.model_setup import ModelState, build_model_state, check_backends_run_here, float8_policy
 from moe_lc.train.resume import RunPosition, Start, TrainerState, find_start, read_trainer_state
 from moe_lc.train.runlock import RunLock
@@ -486,6 +487,7 @@ def train(cfg: TrainConfig, stream: Optional[TextIO] = None) -> RunSummary:
             torch.manual_seed(cfg.seed)
             plans = plan_curriculum(cfg, runtime.world_size)
             check_backends_run_here(cfg.model, runtime.device)  # before the run directory is touched
+            check_state_fits(cfg, [p for p in plans if p.run], runtime.device)
             lock_notes: list[str] = []
             with _run_lock(cfg, runtime, lock_notes.append) as lock:
                 checkpoints = CheckpointManager(
