@@ -130,34 +130,45 @@ def _bf16(*shape: int) -> torch.Tensor:
 def _situ() -> None:
     from moe_lc_kernels.situ_glu import situ_glu_stacked_triton
 
-    y = _bf16(TOKENS * TOP_K, 2 * HIDDEN).requires_grad_(True)
-    situ_glu_stacked_triton(y).backward(_bf16(TOKENS * TOP_K, HIDDEN))
+    for rows in (TOKENS * TOP_K, 1):
+        y = _bf16(rows, 2 * HIDDEN).requires_grad_(True)
+        situ_glu_stacked_triton(y).backward(_bf16(rows, HIDDEN))
+
+
+# The MoE ops also launch at the smallest sizes, one token or one block: the JIT compiles an integer
+# argument equal to 1 as a constant (a Python int inside the kernel, where ``.to()`` fails), which the
+# interpreter the kernel tests run never does (a one-block sort failed that way on the GPU).
+EDGE_TOKENS = (TOKENS, 1, 3)
 
 
 def _router() -> None:
     from moe_lc_kernels.routing import route_backward_triton, route_statistics_triton, route_triton
 
-    logits, bias = _bf16(TOKENS, EXPERTS), torch.zeros(EXPERTS)
-    idx = torch.randint(0, EXPERTS, (TOKENS, TOP_K))
-    route_triton(logits, bias, TOP_K, 1.0)
-    route_backward_triton(logits, idx, torch.randn(TOKENS, TOP_K), 1.0)
-    route_statistics_triton(logits, bias, idx, torch.randn(TOKENS), torch.zeros(EXPERTS, dtype=torch.int64),
-                            torch.zeros(EXPERTS, 1024, dtype=torch.int64), torch.zeros(2, dtype=torch.float64))
+    for tokens in EDGE_TOKENS:
+        logits, bias = _bf16(tokens, EXPERTS), torch.zeros(EXPERTS)
+        idx = torch.randint(0, EXPERTS, (tokens, TOP_K))
+        route_triton(logits, bias, TOP_K, 1.0)
+        route_backward_triton(logits, idx, torch.randn(tokens, TOP_K), 1.0)
+        route_statistics_triton(logits, bias, idx, torch.randn(tokens), torch.zeros(EXPERTS, dtype=torch.int64),
+                                torch.zeros(EXPERTS, 1024, dtype=torch.int64), torch.zeros(2, dtype=torch.float64))
 
 
 def _sort() -> None:
     from moe_lc_kernels.token_permutation import sort_by_expert_triton
 
-    sort_by_expert_triton(torch.randint(0, EXPERTS, (TOKENS, TOP_K)), EXPERTS)
+    for tokens in EDGE_TOKENS:
+        sort_by_expert_triton(torch.randint(0, EXPERTS, (tokens, TOP_K)), EXPERTS)
+    sort_by_expert_triton(torch.randint(0, 4, (1, 1)), 4)  # one slot: n == 1
 
 
 def _permutation() -> None:
     from moe_lc_kernels.token_permutation import combine_backward_triton, sum_token_rows_triton
 
-    rows = torch.randperm(TOKENS * TOP_K).view(TOKENS, TOP_K)
-    out, weights = _bf16(TOKENS * TOP_K, LATENT), torch.rand(TOKENS, TOP_K)
-    sum_token_rows_triton(out, rows, weights, torch.bfloat16)
-    combine_backward_triton(_bf16(TOKENS, LATENT), out, rows, weights)
+    for tokens in EDGE_TOKENS:
+        rows = torch.randperm(tokens * TOP_K).view(tokens, TOP_K)
+        out, weights = _bf16(tokens * TOP_K, LATENT), torch.rand(tokens, TOP_K)
+        sum_token_rows_triton(out, rows, weights, torch.bfloat16)
+        combine_backward_triton(_bf16(tokens, LATENT), out, rows, weights)
 
 
 def _short_conv() -> None:
@@ -181,8 +192,8 @@ def _depth_mixture() -> None:
 def _accumulate() -> None:
     from moe_lc_kernels.accumulate import accumulate_rows_triton
 
-    accumulate_rows_triton(torch.zeros(EXPERTS * HIDDEN, LATENT), _bf16(EXPERTS * HIDDEN, 2 * LATENT),
-                           EXPERTS * HIDDEN, LATENT, 2 * LATENT)
+    for rows in (EXPERTS * HIDDEN, 1):
+        accumulate_rows_triton(torch.zeros(rows, LATENT), _bf16(rows, 2 * LATENT), rows, LATENT, 2 * LATENT)
 
 
 def _kda() -> None:

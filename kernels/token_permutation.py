@@ -91,6 +91,6 @@ def sort_by_expert_triton(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, T
     part = torch.empty(blocks, e_pow2, device=flat.device, dtype=torch.int64)
     kt.expert_block_counts_kernel[(blocks,)](flat, part, n, E_POW2=e_pow2, BLOCK=block, num_warps=TUNING["warps"])
     part_cum = part.cumsum(0)
-    kt.place_by_expert_kernel[(blocks,)](flat, part_cum, order, rows, token_of_row, n, blocks, K=k, E_POW2=e_pow2,
+    kt.place_by_expert_kernel[(blocks,)](flat, part_cum, order, rows, token_of_row, n, K=k, E_POW2=e_pow2,
                                          BLOCK=block, num_warps=TUNING["warps"])
     return order, token_of_row, part_cum[-1, :num_experts], rows.view(tokens, k)

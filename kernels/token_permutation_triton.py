@@ -66,14 +66,16 @@ def expert_block_counts_kernel(topk_idx, part, n, E_POW2: tl.constexpr, BLOCK: t
 
 
 @triton.jit
-def place_by_expert_kernel(topk_idx, part_cum, order, rows, token_of_row, n, blocks, K: tl.constexpr,
+def place_by_expert_kernel(topk_idx, part_cum, order, rows, token_of_row, n, K: tl.constexpr,
                            E_POW2: tl.constexpr, BLOCK: tl.constexpr):
     """The stable counting sort's placement: flat slot f with expert e lands at sorted row
     start[e] + (e's slots in earlier blocks) + (e's slots before f in this block); part_cum is the
-    blocks' counts summed over the blocks (inclusive), so its last row is every expert's count."""
+    blocks' counts summed over the blocks (inclusive), so its last row is every expert's count.
+    One program per block: the last block's row is the grid's (a block count passed as an argument
+    would be a compile-time 1 for a one-block sort, where tensor methods fail)."""
     pid = tl.program_id(0)
     f, valid, ids, cols, one_hot = _block_one_hot(topk_idx, pid, n, E_POW2, BLOCK)
-    totals = tl.load(part_cum + (blocks - 1).to(tl.int64) * E_POW2 + cols).to(tl.int32)
+    totals = tl.load(part_cum + (tl.num_programs(0) - 1).to(tl.int64) * E_POW2 + cols).to(tl.int32)
     starts = tl.cumsum(totals, axis=0) - totals
     previous = tl.load(part_cum + tl.maximum(pid - 1, 0).to(tl.int64) * E_POW2 + cols).to(tl.int32)
     earlier = tl.where(pid > 0, previous, 0)  # e's slots in the blocks before this one
