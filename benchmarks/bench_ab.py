@@ -5,7 +5,9 @@ step of a call runs 0.3-0.45 s slow on an H200, docs/performance.md §12.9), so 
 cannot tell it. This runs the variants in turn, A B A B ..., each in a process of its own (a fresh
 CUDA context and allocator, the same seed and batches), drops each run's first timed step, and
 prints per variant the steady step times, their mean and spread, and the change against the first
-variant with the run-to-run spread beside it:
+variant with the run-to-run spread beside it; and the median of all its steady steps with its change,
+which a one-off stall inside the timed steps (cuDNN building a plan for an attention length seen
+for the first time: 1.2 s once in a run of 0.55 s steps on an H100) does not move:
 
     python benchmarks/bench_ab.py k3-small-8k --variant base= \\
         --variant router=model.moe.router_backend=triton --rounds 2 --steps 5 --warmup 3 [--out ab.json]
@@ -99,23 +101,26 @@ def summarise(runs: dict[str, list[dict]]) -> list[dict]:
     for name, reports in runs.items():
         means = [statistics.fmean(steady_steps(r)) for r in reports]
         mean = statistics.fmean(means)
-        row = dict(variant=name, run_means_s=means, mean_s=mean, spread_s=max(means) - min(means),
+        median = statistics.median(t for r in reports for t in steady_steps(r))
+        row = dict(variant=name, run_means_s=means, mean_s=mean, spread_s=max(means) - min(means), median_s=median,
                    mfu=statistics.fmean(r["mfu"] or 0.0 for r in reports),
                    peak_memory_gib=max(r["peak_memory_gib"] for r in reports))
         if base is None:
             base = row
         row["change"] = mean / base["mean_s"] - 1.0
+        row["median_change"] = median / base["median_s"] - 1.0
         rows.append(row)
     return rows
 
 
 def format_rows(rows: list[dict]) -> str:
-    lines = ["| variant | steady step means per run (s) | mean | spread | change vs first | MFU | peak GiB |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| variant | steady step means per run (s) | mean | spread | change vs first | median step | median's "
+             "change | MFU | peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         runs = ", ".join(f"{m:.3f}" for m in r["run_means_s"])
         lines.append(f"| {r['variant']} | {runs} | {r['mean_s']:.3f} | {r['spread_s']:.3f} | {100 * r['change']:+.2f}% "
-                     f"| {100 * r['mfu']:.1f}% | {r['peak_memory_gib']:.2f} |")
+                     f"| {r['median_s']:.3f} | {100 * r['median_change']:+.2f}% | {100 * r['mfu']:.1f}% "
+                     f"| {r['peak_memory_gib']:.2f} |")
     return "\n".join(lines)
 
 

@@ -39,7 +39,29 @@ def test_variants_run_interleaved_and_are_compared_on_their_steady_steps(tmp_pat
     assert rows["b"]["run_means_s"] == pytest.approx([1.1, 1.1])
     assert rows["b"]["change"] == pytest.approx(1.1 / 2.1 - 1.0)
     assert rows["a"]["spread_s"] == pytest.approx(0.2)
+    # the median of every steady step of the variant, and its change against the first variant's
+    assert rows["a"]["median_s"] == pytest.approx(2.1) and rows["b"]["median_s"] == pytest.approx(1.1)
+    assert rows["b"]["median_change"] == pytest.approx(1.1 / 2.1 - 1.0)
     assert "| b |" in capsys.readouterr().out
+
+
+def test_the_median_is_not_moved_by_one_stalled_step(monkeypatch, tmp_path):
+    """One steady step stalled 3x (a plan built inside the timed steps) moves the mean, not the median."""
+    ab = _script()
+    times = {"a": [[9.0, 1.0, 1.0, 1.0], [9.0, 1.0, 1.0, 1.0]], "b": [[9.0, 1.0, 3.0, 1.0], [9.0, 1.0, 1.0, 1.0]]}
+    calls = []
+
+    def fake_run(shared, overrides, steps, warmup, timeout):
+        name = overrides[0].split("=")[1]
+        calls.append(name)
+        return dict(step_times_s=times[name][sum(c == name for c in calls) - 1], mfu=0.5, peak_memory_gib=1.0)
+
+    monkeypatch.setattr(ab, "run_once", fake_run)
+    out = tmp_path / "ab.json"
+    assert ab.main(["smoke", "--variant", "a=x=a", "--variant", "b=x=b", "--out", str(out)]) == 0
+    b = json.loads(out.read_text())["rows"][1]
+    assert b["change"] == pytest.approx(1.0 / 3.0)  # run means 5/3 and 1 against 1
+    assert b["median_change"] == 0.0
 
 
 def test_a_run_is_a_moe_lc_bench_call_of_its_own(tmp_path, capsys):
