@@ -20,10 +20,10 @@ def _script():
     return module
 
 
-def test_variants_run_interleaved_and_are_compared_on_their_steady_steps(tmp_path, capsys, monkeypatch):
-    """A B A B, each run's first timed step dropped from its mean, the change against A's mean."""
-    ab = _script()
-    calls, times = [], {"a": [[9.0, 2.0, 2.0], [9.0, 2.2, 2.2]], "b": [[9.0, 1.0, 1.2], [9.0, 1.1, 1.1]]}
+def _fake_runs(ab, monkeypatch, times: dict[str, list[list[float]]]) -> list[str]:
+    """``run_once`` replaced by reports of the given step times, variant ``x=NAME``'s runs in turn; the
+    list of variants in the order they ran."""
+    calls: list[str] = []
 
     def fake_run(shared, overrides, steps, warmup, timeout):
         name = overrides[0].split("=")[1]
@@ -31,6 +31,13 @@ def test_variants_run_interleaved_and_are_compared_on_their_steady_steps(tmp_pat
         return dict(step_times_s=times[name][sum(c == name for c in calls) - 1], mfu=0.5, peak_memory_gib=1.0)
 
     monkeypatch.setattr(ab, "run_once", fake_run)
+    return calls
+
+
+def test_variants_run_interleaved_and_are_compared_on_their_steady_steps(tmp_path, capsys, monkeypatch):
+    """A B A B, each run's first timed step dropped from its mean, the change against A's mean."""
+    ab = _script()
+    calls = _fake_runs(ab, monkeypatch, {"a": [[9.0, 2.0, 2.0], [9.0, 2.2, 2.2]], "b": [[9.0, 1.0, 1.2], [9.0, 1.1, 1.1]]})
     out = tmp_path / "ab.json"
     assert ab.main(["smoke", "--variant", "a=x=a", "--variant", "b=x=b", "--rounds", "2", "--out", str(out)]) == 0
     assert calls == ["a", "b", "a", "b"]
@@ -48,15 +55,8 @@ def test_variants_run_interleaved_and_are_compared_on_their_steady_steps(tmp_pat
 def test_the_median_is_not_moved_by_one_stalled_step(monkeypatch, tmp_path):
     """One steady step stalled 3x (a plan built inside the timed steps) moves the mean, not the median."""
     ab = _script()
-    times = {"a": [[9.0, 1.0, 1.0, 1.0], [9.0, 1.0, 1.0, 1.0]], "b": [[9.0, 1.0, 3.0, 1.0], [9.0, 1.0, 1.0, 1.0]]}
-    calls = []
-
-    def fake_run(shared, overrides, steps, warmup, timeout):
-        name = overrides[0].split("=")[1]
-        calls.append(name)
-        return dict(step_times_s=times[name][sum(c == name for c in calls) - 1], mfu=0.5, peak_memory_gib=1.0)
-
-    monkeypatch.setattr(ab, "run_once", fake_run)
+    _fake_runs(ab, monkeypatch, {"a": [[9.0, 1.0, 1.0, 1.0], [9.0, 1.0, 1.0, 1.0]],
+                                 "b": [[9.0, 1.0, 3.0, 1.0], [9.0, 1.0, 1.0, 1.0]]})
     out = tmp_path / "ab.json"
     assert ab.main(["smoke", "--variant", "a=x=a", "--variant", "b=x=b", "--out", str(out)]) == 0
     b = json.loads(out.read_text())["rows"][1]
