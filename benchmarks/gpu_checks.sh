@@ -31,9 +31,9 @@ S=curriculum.stages.ctx8k
 # the whole suite, GPU-only tests included, spread over TEST_WORKERS processes (pytest-xdist;
 # about 5 minutes with 14 on a 16-core H200 machine, docs/testing.md)
 step gpu_tests python -m pytest -q -rfEs -p no:cacheprovider -n "${TEST_WORKERS:-14}" tests
-# the fused router and counting sort (moe.router_backend, off by default until measured:
-# docs/performance.md §12.10): their tests, the step interleaved against the default, and the
-# losses against the plain path with them on
+# the fused router and counting sort (moe.router_backend, off by default: no faster on an H100 at
+# k3-small's layers, docs/performance.md §12.10): their tests, the step interleaved against the
+# default on an H200 at all 20 layers, and the losses against the plain path with them on
 step router_tests python -m pytest -q -rfEs -p no:cacheprovider tests/test_routing.py tests/test_token_permutation.py \
     tests/test_compile.py
 step ab_router python benchmarks/bench_ab.py k3-small-8k --variant base= \

@@ -100,8 +100,8 @@ class MoEConfig:
     # the token permutation around the experts (moe_lc.ops.token_permutation): auto | torch | triton
     dispatch_backend: str = "auto"
     # the router's selection, weights and balancing statistics (moe_lc.ops.routing) and the sort by
-    # expert (token_permutation.expert_order): torch | auto | triton. torch until the fused kernels
-    # are measured in a GPU step (docs/performance.md §12.10)
+    # expert (token_permutation.expert_order): torch | auto | triton. torch: the fused kernels were
+    # no faster in a whole step on the GPU (docs/performance.md §12.10)
     router_backend: str = "torch"
 
 
