@@ -137,8 +137,9 @@ COMMANDS: dict[str, object] = {
     **{c: NotRun("whole-step GPU measurements (a CPU step of these models takes minutes)", needs="GPU") for c in (
         "moe-lc bench k3-small-8k --steps 3 --warmup 3 --trace DIR",
         "moe-lc bench k3-small-8k --steps 4 --warmup 3",
-        "python benchmarks/bench_ab.py k3-small-8k --variant base= --variant router=model.moe.router_backend=triton "
-        "--rounds 2 --steps 5 --warmup 3",
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --variant base= --variant "
+        "router=model.moe.router_backend=triton --variant conv64=MOE_LC_SHORT_CONV_TUNING=bwd_bt=64 --rounds 2 "
+        "--steps 6 --warmup 3",
         "python benchmarks/bench_ab.py k3-small-8k --variant base= --variant conv64=MOE_LC_SHORT_CONV_TUNING=bwd_bt=64 "
         "--rounds 2 --steps 5 --warmup 3",
         "moe-lc bench proxy-8k curriculum.stages.ctx8k.global_batch_tokens=131072 --steps 4 --warmup 3 --trace DIR",
