@@ -123,6 +123,12 @@ def resources(name: str, kernel) -> Compiled:
 
 # -- the ops, at k3-small's shapes (one micro-batch of 16K tokens) ----------------------------------
 
+# The MoE ops also launch at the smallest sizes, one token or one block: the JIT compiles an integer
+# argument equal to 1 as a constant (a Python int inside the kernel, where ``.to()`` fails), which the
+# interpreter the kernel tests run never does (a one-block sort failed that way on the GPU).
+EDGE_TOKENS = (TOKENS, 1, 3)
+
+
 def _bf16(*shape: int) -> torch.Tensor:
     return torch.randn(*shape).to(torch.bfloat16)
 
@@ -130,15 +136,10 @@ def _bf16(*shape: int) -> torch.Tensor:
 def _situ() -> None:
     from moe_lc_kernels.situ_glu import situ_glu_stacked_triton
 
-    for rows in (TOKENS * TOP_K, 1):
+    for tokens in EDGE_TOKENS:
+        rows = tokens * TOP_K
         y = _bf16(rows, 2 * HIDDEN).requires_grad_(True)
         situ_glu_stacked_triton(y).backward(_bf16(rows, HIDDEN))
-
-
-# The MoE ops also launch at the smallest sizes, one token or one block: the JIT compiles an integer
-# argument equal to 1 as a constant (a Python int inside the kernel, where ``.to()`` fails), which the
-# interpreter the kernel tests run never does (a one-block sort failed that way on the GPU).
-EDGE_TOKENS = (TOKENS, 1, 3)
 
 
 def _router() -> None:
