@@ -9,7 +9,8 @@ Trains the recipe's first stage twice from the same seed on the same batches, on
 - plain: every op on its PyTorch reference ("torch": the per-expert loop, SiTU in PyTorch, the
   chunked KDA in PyTorch, one SDPA per document, with cuDNN's SDPA off so that new document
   lengths do not each build a plan, the AttnRes mixture in PyTorch, the LM loss in checkpointed
-  chunks), the embedding kept fp32 in the stream (``fp32_embedding``), never compiled.
+  chunks), every projection of a layer's input as its own GEMM, the embedding kept fp32 in the
+  stream (``fp32_embedding``), never compiled.
 
 and prints the two loss curves and their relative difference per step. Both run in bf16 under
 autocast, so they differ by bf16 rounding in different places; the check is that the difference
@@ -77,6 +78,8 @@ def train(cfg, runtime, steps: int, plain: bool) -> tuple[list[float], float]:
         model_cfg.fused_loss = False  # the LM loss in checkpointed chunks
         model_cfg.moe.dispatch_backend = "torch"  # the token permutation in PyTorch
         model_cfg.moe.fused_projections = False  # the router, W_down and the shared experts one by one
+        model_cfg.kda.fused_projections = False  # KDA's six projections of x one by one
+        model_cfg.mla.fused_projections = False  # MLA's four projections of x one by one
         model_cfg.moe.router_backend = "torch"  # the router, its statistics and the sort in PyTorch
     state = build_model_state(model_cfg, cfg.optim, plan.layout, runtime, cfg.seed, plan.checkpointing, plan.seq_len,
                               compiled=None if plain else cfg.compile)

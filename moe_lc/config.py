@@ -57,6 +57,10 @@ class MLAConfig:
     qk_rope_dim: int = 64  # the shared-key part; kept for layout compatibility, never rotated
     v_dim: int = 128
     gate: bool = True  # sigmoid output gate (Gated Attention)
+    # the projections that read x (W_dkv, the shared key, W_dq or W_q, the gate) as one GEMM over their
+    # stacked weights: x cast and kept once, dx one GEMM instead of four and their sums. Plain weights
+    # only (not tp's DTensors, not float8 linears, which keep their own calls)
+    fused_projections: bool = True
 
     @property
     def qk_dim(self) -> int:

@@ -98,6 +98,9 @@ COMMANDS: dict[str, object] = {
     "moe-lc plan NAME --gpus 1024 --gpu-memory 141": Run(command="moe-lc plan proxy-8k --gpus 1024 --gpu-memory 141"),
     # README.md, docs/parallelism.md: the planner's search
     "moe-lc plan k3-8k --gpus 1024 --gpu-memory 141": Run(),
+    "moe-lc plan k3-small-8k model.d_model=2560 model.num_layers=16 model.kda.num_heads=20 model.mla.num_heads=20 "
+    "model.moe.latent_dim=1280 model.moe.expert_hidden=1120 model.moe.dense_hidden=6720 "
+    "curriculum.stages.ctx8k.micro_batch=1": Run(),
     "moe-lc plan RECIPE [key=value ...] --gpus N [--gpu-memory G] [--gpu h100|h200] [--gpus-per-node 8]":
         Run(command="moe-lc plan proxy-8k optim.lr=1e-3 --gpus 16 --gpu-memory 80 --gpu h100 --gpus-per-node 8 "
                     "--interconnect ib400 --margin 0.1 --runners-up 3"),
@@ -142,6 +145,8 @@ COMMANDS: dict[str, object] = {
         "--steps 6 --warmup 3",
         "python benchmarks/bench_ab.py k3-small-8k --variant base= --variant conv64=MOE_LC_SHORT_CONV_TUNING=bwd_bt=64 "
         "--rounds 2 --steps 5 --warmup 3",
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --variant mla4=model.mla.fused_projections=false "
+        "--variant fused= --rounds 2 --steps 6 --warmup 3",
         "moe-lc bench proxy-8k curriculum.stages.ctx8k.global_batch_tokens=131072 --steps 4 --warmup 3 --trace DIR",
         "moe-lc bench proxy-64k curriculum.stages.ctx64k.global_batch_tokens=65536 --steps 2 --warmup 2 --trace DIR",
         "moe-lc bench proxy-8k compile.enabled=false curriculum.stages.ctx8k.global_batch_tokens=131072 "

@@ -312,15 +312,22 @@ def test_the_embedding_source_counts_in_autocasts_dtype_unless_fp32_embedding():
     mixtures and their norms' inputs are bf16 too: fewer bytes in every layer that mixes sources."""
     cfg = get_preset("proxy")
     assert embedding_bytes(cfg, GPU_AUTOCAST) == 2 and embedding_bytes(cfg, REFERENCE_FP32) == 4
-    bf16 = [layer.none for layer in layer_activations(cfg, GPU_AUTOCAST)]
+
+    def per_layer(fp32_embedding: bool, fused_mla: bool) -> list[float]:
+        cfg.fp32_embedding, cfg.mla.fused_projections = fp32_embedding, fused_mla
+        return [layer.none for layer in layer_activations(cfg, GPU_AUTOCAST)]
+
+    for fused_mla in (False, True):
+        bf16, fp32 = per_layer(False, fused_mla), per_layer(True, fused_mla)
+        # the first layer's attention reads the embedding alone (its norm keeps an fp32 copy of a bf16
+        # input); every later sublayer reads a mixture, which is now bf16: never more bytes, fewer where an
+        # fp32 mixture would be cast more than once (MLA's four projections of x without fused_projections;
+        # KDA's and the MoE's are one GEMM each)
+        assert all(b <= f for b, f in zip(bf16[1:], fp32[1:]))
+        mla_layers = [(b, f) for b, f, kind in zip(bf16[1:], fp32[1:], cfg.pattern[1:]) if kind == "M"]
+        assert all((b < f) if not fused_mla else (b == f) for b, f in mla_layers)
     cfg.fp32_embedding = True
     assert embedding_bytes(cfg, GPU_AUTOCAST) == 4 and embedding_bytes(cfg, GPU_BF16_WEIGHTS) == 2
-    fp32 = [layer.none for layer in layer_activations(cfg, GPU_AUTOCAST)]
-    # the first layer's attention reads the embedding alone (its norm keeps an fp32 copy of a bf16 input);
-    # every later sublayer reads a mixture, which is now bf16: never more bytes, fewer where an fp32
-    # mixture would be cast more than once (MLA's projections of x; KDA's and the MoE's are one GEMM each)
-    assert all(b <= f for b, f in zip(bf16[1:], fp32[1:])) and sum(bf16) < sum(fp32)
-    assert all(b < f for b, f, kind in zip(bf16[1:], fp32[1:], cfg.pattern[1:]) if kind == "M")
 
 
 # -- time -----------------------------------------------------------------------------------------

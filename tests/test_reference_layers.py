@@ -163,6 +163,8 @@ MLA_CASES = {
                                               qk_rope_dim=4, v_dim=5),
     "direct-q-no-shared-key-no-gate": MLAConfig(num_heads=3, q_lora_rank=None, kv_lora_rank=7, qk_nope_dim=4,
                                                   qk_rope_dim=0, v_dim=6, gate=False),
+    "separate-projections": MLAConfig(num_heads=2, q_lora_rank=8, kv_lora_rank=6, qk_nope_dim=6, qk_rope_dim=4,
+                                      v_dim=5, fused_projections=False),
 }
 
 
@@ -174,6 +176,39 @@ def test_gated_mla(case, packed_row):
     leaves = {"x": x, **parameters_of(layer)}
     assert_matches(lambda: layer(x, **packed(cu)), lambda: rows(lambda r, b: ref.mla_layer(layer, r, b, EPS), x, bounds),
                    leaves)
+
+
+def test_mla_projections_of_x_are_one_gemm_for_plain_weights(monkeypatch):
+    """fused_projections (test_gated_mla checks its math, both ways) computes W_dkv x, the shared key,
+    W_dq x and the gate's logits as one GEMM of x; where one of them is not a plain nn.Linear (float8,
+    tensor parallelism) or with fused_projections off, each runs its own."""
+    linears = []
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda x, w, *a: linears.append(w.shape[0]) or real_linear(x, w, *a))
+    cfg = MLA_CASES["low-rank-q-shared-key-gate"]
+    layer = randomize(GatedMLA(D, cfg, EPS).double(), seed=13)
+    x = inputs(1, 9, seed=3)
+    want = layer(x)
+    H, qk, gate = cfg.num_heads, cfg.qk_dim, cfg.num_heads * cfg.v_dim
+    up = [H * qk, H * (cfg.qk_nope_dim + cfg.v_dim), D]  # W_uq, W_ukv, W_o
+    assert linears == [cfg.kv_lora_rank + cfg.qk_rope_dim + cfg.q_lora_rank + gate, *up]
+    one_by_one = [cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.q_lora_rank, gate, *up]
+
+    class OtherLinear(torch.nn.Linear):
+        pass
+
+    other = OtherLinear(D, gate, bias=False).double()
+    other.weight.data.copy_(layer.gate_proj.weight)
+    layer.gate_proj = other
+    linears.clear()
+    assert rel(layer(x), want) < FLOAT64_RTOL
+    assert linears == one_by_one
+    separate = GatedMLA(D, dataclasses.replace(cfg, fused_projections=False), EPS).double()
+    separate.load_state_dict(layer.state_dict())
+    linears.clear()
+    assert rel(separate(x), want) < FLOAT64_RTOL
+    assert linears == one_by_one
 
 
 def test_mla_softmax_scale_counts_the_shared_key_dims():
@@ -373,16 +408,19 @@ def test_fused_projections_are_two_gemms_and_one_convolution_for_plain_weights(m
             assert convs == [] and len(per_module) == 3 and linears == [inner] * 3 + [H, K, inner, inner, D]
 
 
-def test_fused_projections_under_autocast_match_the_six_projections():
-    """Under bf16 autocast the fused path casts x once and gives the six projections' result within
-    bf16 rounding (both round the same bf16 operands; only the order of the sums may differ)."""
+@pytest.mark.parametrize("layer,cfg", [(KDAttention, KDAConfig(num_heads=2, head_dim=8)),
+                                       (GatedMLA, MLA_CASES["low-rank-q-shared-key-gate"])], ids=["kda", "mla"])
+def test_fused_projections_under_autocast_match_the_separate_ones(layer, cfg):
+    """Under bf16 autocast the fused path (KDA's six projections of x, MLA's four) casts x once and
+    gives the separate projections' result within bf16 rounding (both round the same bf16 operands;
+    only the order of the sums may differ)."""
     torch.manual_seed(0)
-    fused = KDAttention(D, KDAConfig(num_heads=2, head_dim=8), EPS)
-    six = KDAttention(D, KDAConfig(num_heads=2, head_dim=8, fused_projections=False), EPS)
-    six.load_state_dict(fused.state_dict())
+    fused = layer(D, cfg, EPS)
+    separate = layer(D, dataclasses.replace(cfg, fused_projections=False), EPS)
+    separate.load_state_dict(fused.state_dict())
     x = torch.randn(1, 21, D)
     cu = torch.tensor(CU, dtype=torch.int32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        a, b = fused(x, **packed(cu)), six(x, **packed(cu))
+        a, b = fused(x, **packed(cu)), separate(x, **packed(cu))
     assert a.dtype == b.dtype == torch.bfloat16
     assert rel(a.float(), b.float()) < 4 * torch.finfo(torch.bfloat16).eps

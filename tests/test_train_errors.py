@@ -13,6 +13,8 @@ import torch.distributed
 
 from moe_lc.config import ConfigError
 from moe_lc.report import load_run
+from moe_lc.train.recipes import compose_recipe
+from moe_lc.train.resume import check_compatible, read_trainer_state
 from moe_lc.train.main import run_train_cli
 
 ONE_STEP = [
@@ -181,6 +183,26 @@ def test_resume_refuses_another_model_or_tokenizer(capsys, trained):
     assert "different model" in err and "d_model" in err
     err = _fails(capsys, *ONE_STEP, f"run_dir={trained}", "data.tokenizer=/models/other/tokenizer.json", "resume=auto")
     assert "tokenizer/vocab mismatch" in err
+
+
+def test_resume_takes_other_backends_and_checkpoints_from_before_an_execution_field(capsys, trained, tmp_path):
+    """Fields that change how the same weights compute (backends, stacked projections) may differ on
+    resume, and a checkpoint written before one of them existed (its trainer.json lacks it) passes the
+    model check; a field that changes the weights does not."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    assert run_train_cli([*ONE_STEP, f"run_dir={run_dir}", "curriculum.stages.ctx256.steps=3", "resume=auto",
+                          "model.mla.fused_projections=false", "model.moe.dispatch_backend=torch",
+                          "model.attn_res.backend=torch"]) == 0
+    assert "resuming at step 2" in (run_dir / "train.log").read_text()
+    checkpoint = trained / "checkpoints" / "step_00000002"
+    saved = read_trainer_state(checkpoint)
+    cfg = compose_recipe("smoke", [*ONE_STEP, f"run_dir={run_dir}"])
+    del saved.model["mla"]["fused_projections"]
+    check_compatible(saved, cfg, checkpoint)
+    saved.model["mla"]["kv_lora_rank"] += 1
+    with pytest.raises(ConfigError, match="different model.*kv_lora_rank"):
+        check_compatible(saved, cfg, checkpoint)
 
 
 def test_fresh_start_over_existing_checkpoints_is_refused(capsys, trained):

@@ -22,6 +22,7 @@ from moe_lc.config import MLAConfig
 from moe_lc.model.norm import RMSNorm
 from moe_lc.ops.attention import causal_document_attention, keys_of_row
 from moe_lc.ops.documents import DocumentBounds
+from moe_lc.ops.stacked_linear import stackable, stacked_linear
 
 
 class GatedMLA(nn.Module):
@@ -43,12 +44,39 @@ class GatedMLA(nn.Module):
         self.o_proj = nn.Linear(H * cfg.v_dim, d_model, bias=False)
         self.scale = cfg.qk_dim**-0.5
 
+    def x_projections(self) -> list[nn.Linear]:
+        """The linears that read x, in the order ``projections`` returns their outputs."""
+        first_q = self.q_down if self.cfg.q_lora_rank is not None else self.q_proj
+        return [m for m in (self.kv_down, self.k_shared, first_q, self.gate_proj) if m is not None]
+
+    def projections(self, x: torch.Tensor) -> list[Optional[torch.Tensor]]:
+        """[W_dkv x, W_ks x, W_dq x (or W_q x), W_g x], None where the layer has no such projection.
+
+        With ``fused_projections`` and plain weights (``stackable``) they are one GEMM over the stacked
+        weights, split by columns: x is cast to autocast's dtype and kept for backward once instead of
+        four times, and dx is one GEMM instead of four and their sum (docs/design.md §3)."""
+        linears = self.x_projections()
+        fused = self.cfg.fused_projections and len(linears) > 1 and all(stackable(m) for m in linears)
+        if fused:
+            outputs = list(stacked_linear(x, [m.weight for m in linears]).split([m.out_features for m in linears], -1))
+        else:
+            outputs = [m(x) for m in linears]
+        kv_low = outputs.pop(0)
+        shared = outputs.pop(0) if self.k_shared is not None else None
+        q_in = outputs.pop(0)
+        gate = outputs.pop(0) if self.gate_proj is not None else None
+        if fused:  # the two that backward keeps (their norms', or attention's, input) as tensors of their own:
+            # a column view would keep the whole stacked output, the gate's H v columns included, alive
+            kv_low, q_in = kv_low.contiguous(), q_in.contiguous()
+        return [kv_low, shared, q_in, gate]
+
     def forward(self, x: torch.Tensor, docs: Optional[DocumentBounds] = None) -> torch.Tensor:
         B, T, _ = x.shape
         c = self.cfg
-        latents = [self.kv_norm(self.kv_down(x))] + ([self.k_shared(x)] if self.k_shared is not None else [])
-        row = keys_of_row(latents, docs)  # started before the queries' projection, so that a gather overlaps it
-        q = self.q_up(self.q_norm(self.q_down(x))) if c.q_lora_rank is not None else self.q_proj(x)
+        kv_low, shared, q_in, gate_logits = self.projections(x)
+        latents = [self.kv_norm(kv_low)] + ([shared] if shared is not None else [])
+        row = keys_of_row(latents, docs)  # started before the queries' up-projection, so that a gather overlaps it
+        q = self.q_up(self.q_norm(q_in)) if c.q_lora_rank is not None else q_in
         q = q.view(B, T, -1, c.qk_dim)  # heads from the shape: H/tp under tensor parallelism
         H = q.shape[2]
         c_kv, *shared_key = row.wait()  # [B, S, r] (S = T, or the whole row's length under context parallelism)
@@ -65,6 +93,6 @@ class GatedMLA(nn.Module):
             mask=docs.attention_mask if docs is not None else None,
         ).transpose(1, 2)  # [B, T, H, v_dim]
         o = o.reshape(B, T, H * c.v_dim)
-        if self.gate_proj is not None:
-            o = torch.sigmoid(self.gate_proj(x)) * o
+        if gate_logits is not None:
+            o = torch.sigmoid(gate_logits) * o
         return self.o_proj(o)

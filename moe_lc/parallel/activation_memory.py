@@ -212,8 +212,10 @@ def _mla(t: _Tally, cfg: ModelConfig, path: ExecutionPath) -> None:
 
 
 def _mla_readers(cfg: ModelConfig) -> int:
+    """Casts of the normed input kept: W_dkv, the shared key, the first q projection and the gate each
+    cast it under autocast, unless ``fused_projections`` casts it once for all of them."""
     m = cfg.mla
-    return 2 + (m.qk_rope_dim > 0) + bool(m.gate)
+    return 1 if m.fused_projections else 2 + (m.qk_rope_dim > 0) + bool(m.gate)
 
 
 def _moe(t: _Tally, cfg: ModelConfig, path: ExecutionPath) -> None:

@@ -38,9 +38,14 @@ from moe_lc.train.recipes import config_to_dict
 
 # 2: each expert balancer's extra state is saved as its dict of tensors (1 packed it into one tensor)
 CHECKPOINT_FORMAT = 2
-# Model fields that may change between a checkpoint and the run that loads it.
+# Model fields that may change between a checkpoint and the run that loads it: how the same weights
+# compute (backends, projections stacked into one GEMM), never what they are. A checkpoint written
+# before such a field existed lacks it, and resumes too.
 # mla.fp32_output: a removed option that changed no weights (checkpoints written before its removal carry it)
-MODEL_FIELDS_FREE_TO_CHANGE = {"name", "kda.backend", "mla.fp32_output"}
+MODEL_FIELDS_FREE_TO_CHANGE = {
+    "name", "kda.backend", "kda.fused_projections", "mla.fused_projections", "mla.fp32_output", "attn_res.backend",
+    "moe.fused_projections", "moe.dispatch_backend", "moe.router_backend", "fused_loss",
+}
 
 
 @dataclass
