@@ -6,13 +6,11 @@ with their dispatch; they stay importable from here.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
 from moe_lc.ops.situ_glu import glu_activation, glu_activation_stacked, situ_glu, situ_glu_reference, swiglu
-from moe_lc.ops.stacked_linear import linear, stackable, stacked_linear
+from moe_lc.ops.stacked_linear import stackable, stacked_linear
 
 __all__ = ["GatedFFN", "glu_activation", "situ_glu", "situ_glu_reference", "swiglu"]
 
@@ -41,14 +39,12 @@ class GatedFFN(nn.Module):
         self.w_out = nn.Linear(hidden, dim, bias=False)
         self.activation, self.beta1, self.beta2 = activation, beta1, beta2
         self.activation_backend = activation_backend
-        self.step_casts: Optional[dict] = None  # the step's compute copies of the weights (reuse_weight_casts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.stackable():
-            return self.from_gate_in(stacked_linear(x, self.stacked_weights(), self.step_casts))
-        a, c = linear(self.w_gate, x, self.step_casts), linear(self.w_in, x, self.step_casts)
-        h = glu_activation(a, c, self.activation, self.beta1, self.beta2, self.activation_backend)
-        return linear(self.w_out, h, self.step_casts)
+            return self.from_gate_in(stacked_linear(x, self.stacked_weights()))
+        a, c = self.w_gate(x), self.w_in(x)
+        return self.w_out(glu_activation(a, c, self.activation, self.beta1, self.beta2, self.activation_backend))
 
     def stackable(self) -> bool:
         """Whether W_gate and W_in are plain weights that one GEMM can take stacked."""
@@ -62,4 +58,4 @@ class GatedFFN(nn.Module):
         """W_out act(a, c) from y = [a, c] [..., 2 hidden], the stacked projection's output. y's rows may
         be columns of a wider GEMM's output (``LatentMoE`` stacks more projections of x with these)."""
         h = glu_activation_stacked(y, self.activation, self.beta1, self.beta2, self.activation_backend)
-        return linear(self.w_out, h, self.step_casts)
+        return self.w_out(h)

@@ -21,7 +21,7 @@ from moe_lc.ops.documents import DocumentBounds
 from moe_lc.ops.grouped_experts import autocast_operands
 from moe_lc.ops.kda_projections import chunk_kda_from_projections
 from moe_lc.ops.short_conv import short_conv_pieces
-from moe_lc.ops.stacked_linear import linear, stackable, stacked_linear
+from moe_lc.ops.stacked_linear import stackable, stacked_linear
 
 
 class KDAttention(nn.Module):
@@ -52,7 +52,6 @@ class KDAttention(nn.Module):
         # what the recurrence keeps for backward: set from outside by the activation checkpointing
         # policy (``kda_states``), as a memory trade, not part of the model's math
         self.keep_states = False
-        self.step_casts: Optional[dict] = None  # the step's compute copies of the weights (reuse_weight_casts)
         self.reset_gate_parameters()
 
     @torch.no_grad()
@@ -83,11 +82,10 @@ class KDAttention(nn.Module):
         K = self.cfg.head_dim  # heads are read from the shapes (-1): tensor parallelism holds H/tp of them
         (q, k, v), (beta_logits, decay_low, gate_low) = self.projections(x, docs)
         q, k, v = (t.view(B, T, -1, K) for t in (q, k, v))
-        casts = self.step_casts
-        z = linear(self.decay_up, decay_low, casts).view(B, T, -1, K)
-        gate_logits = (linear(self.gate_proj[1], gate_low, casts) if len(self.gate_proj) > 1 else gate_low).view(B, T, -1, K)
+        z = self.decay_up(decay_low).view(B, T, -1, K)
+        gate_logits = (self.gate_proj[1](gate_low) if len(self.gate_proj) > 1 else gate_low).view(B, T, -1, K)
         o = self.o_norm(self.recurrence(q, k, v, z, beta_logits, docs), gate_logits)
-        return linear(self.o_proj, o.reshape(B, T, -1), casts)
+        return self.o_proj(o.reshape(B, T, -1))
 
     def projections(
         self, x: torch.Tensor, docs: Optional[DocumentBounds]
@@ -109,16 +107,15 @@ class KDAttention(nn.Module):
         fuse_small = self.cfg.fused_projections and all(stackable(m) for m in small)
         if fuse_qkv or fuse_small:
             x, = autocast_operands(x)  # once, not once per projection
-        casts = self.step_casts
         if fuse_qkv:
-            stacked = stacked_linear(x, [p.weight for p, _ in qkv], casts)
+            stacked = stacked_linear(x, [p.weight for p, _ in qkv])
             q, k, v = short_conv_pieces(stacked, torch.cat([c.weight for _, c in qkv]), 3, docs, **conv)
         else:
-            q, k, v = (c(linear(p, x, casts), docs, **conv) for p, c in qkv)
+            q, k, v = (c(p(x), docs, **conv) for p, c in qkv)
         if fuse_small:
-            rest = stacked_linear(x, [p.weight for p in small], casts)
+            rest = stacked_linear(x, [p.weight for p in small])
             return (q, k, v), tuple(rest.split([p.out_features for p in small], dim=-1))
-        return (q, k, v), tuple(linear(p, x, casts) for p in small)
+        return (q, k, v), tuple(p(x) for p in small)
 
     def recurrence(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor, beta_logits: torch.Tensor,

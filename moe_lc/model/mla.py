@@ -22,7 +22,7 @@ from moe_lc.config import MLAConfig
 from moe_lc.model.norm import RMSNorm
 from moe_lc.ops.attention import causal_document_attention, keys_of_row
 from moe_lc.ops.documents import DocumentBounds
-from moe_lc.ops.stacked_linear import linear, stackable, stacked_linear
+from moe_lc.ops.stacked_linear import stackable, stacked_linear
 
 
 class GatedMLA(nn.Module):
@@ -43,7 +43,6 @@ class GatedMLA(nn.Module):
         self.gate_proj = nn.Linear(d_model, H * cfg.v_dim, bias=False) if cfg.gate else None
         self.o_proj = nn.Linear(H * cfg.v_dim, d_model, bias=False)
         self.scale = cfg.qk_dim**-0.5
-        self.step_casts: Optional[dict] = None  # the step's compute copies of the weights (reuse_weight_casts)
 
     def x_projections(self) -> list[nn.Linear]:
         """The linears that read x, in the order ``projections`` returns their outputs."""
@@ -59,10 +58,9 @@ class GatedMLA(nn.Module):
         linears = self.x_projections()
         fused = self.cfg.fused_projections and len(linears) > 1 and all(stackable(m) for m in linears)
         if fused:
-            outputs = list(stacked_linear(x, [m.weight for m in linears], self.step_casts)
-                           .split([m.out_features for m in linears], -1))
+            outputs = list(stacked_linear(x, [m.weight for m in linears]).split([m.out_features for m in linears], -1))
         else:
-            outputs = [linear(m, x, self.step_casts) for m in linears]
+            outputs = [m(x) for m in linears]
         kv_low = outputs.pop(0)
         shared = outputs.pop(0) if self.k_shared is not None else None
         q_in = outputs.pop(0)
@@ -78,13 +76,12 @@ class GatedMLA(nn.Module):
         kv_low, shared, q_in, gate_logits = self.projections(x)
         latents = [self.kv_norm(kv_low)] + ([shared] if shared is not None else [])
         row = keys_of_row(latents, docs)  # started before the queries' up-projection, so that a gather overlaps it
-        casts = self.step_casts
-        q = linear(self.q_up, self.q_norm(q_in), casts) if c.q_lora_rank is not None else q_in
+        q = self.q_up(self.q_norm(q_in)) if c.q_lora_rank is not None else q_in
         q = q.view(B, T, -1, c.qk_dim)  # heads from the shape: H/tp under tensor parallelism
         H = q.shape[2]
         c_kv, *shared_key = row.wait()  # [B, S, r] (S = T, or the whole row's length under context parallelism)
         S = c_kv.shape[1]
-        kv = linear(self.kv_up, c_kv, casts).view(B, S, H, c.qk_nope_dim + c.v_dim)
+        kv = self.kv_up(c_kv).view(B, S, H, c.qk_nope_dim + c.v_dim)
         k_nope, v = kv.split([c.qk_nope_dim, c.v_dim], dim=-1)
         if shared_key:
             k = torch.cat([k_nope, shared_key[0].unsqueeze(2).expand(B, S, H, c.qk_rope_dim)], dim=-1)
@@ -98,4 +95,4 @@ class GatedMLA(nn.Module):
         o = o.reshape(B, T, H * c.v_dim)
         if gate_logits is not None:
             o = torch.sigmoid(gate_logits) * o
-        return linear(self.o_proj, o, casts)
+        return self.o_proj(o)

@@ -29,7 +29,7 @@ from moe_lc.ops.accumulate import accumulate_
 from moe_lc.ops.grouped_experts import grouped_glu, grouped_glu_stacked, resolve_backend
 from moe_lc.ops.routing import resolve_backend as resolve_router_backend
 from moe_lc.ops.routing import route_topk, routing_weights
-from moe_lc.ops.stacked_linear import linear, stackable, stacked_linear
+from moe_lc.ops.stacked_linear import stackable, stacked_linear
 from moe_lc.ops.token_permutation import combine, expert_order, gather_by_expert
 
 
@@ -164,22 +164,20 @@ class _StackedCastAccumulatingInFp32(torch.autograd.Function):
 @contextlib.contextmanager
 def reuse_weight_casts(model: nn.Module) -> Iterator[None]:
     """Cast the routed experts' fp32 weights to autocast's dtype once for the enclosed forward and
-    backward passes (one training step's micro-batches) instead of once per micro-batch, and the
-    dense linears' too (every module with a ``step_casts`` dict: the mixers and the gated FFNs, whose
-    linears run through ``moe_lc.ops.stacked_linear``, which also accumulates their gradients in fp32).
+    backward passes (one training step's micro-batches) instead of once per micro-batch.
 
     The weights must not change inside (the optimizer steps after it): the copies are dropped on exit.
     Measured on one H200 (k3-small, 8K), these casts were ~9 ms of each micro-batch's ~585 ms.
     Like autocast's own cache of its casts, the copies' backward is shared by every micro-batch; it
     adds each micro-batch's gradient into the fp32 ``.grad`` directly (``_CastAccumulatingInFp32``).
     """
-    keepers = [m for m in model.modules() if hasattr(m, "step_casts")]
-    for m in keepers:
+    experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    for m in experts:
         m.step_casts = {}
     try:
         yield
     finally:
-        for m in keepers:
+        for m in experts:
             m.step_casts = None
 
 
@@ -228,7 +226,7 @@ class LatentMoE(nn.Module):
         linears = [self.router] + ([self.latent_down] if self.cfg.latent_dim is not None else [])
         shared = self.shared is not None and self.shared.stackable()
         if not (self.cfg.fused_projections and all(stackable(m) for m in linears)):
-            return linear(self.router, x_flat), (linear(self.latent_down, x_flat) if len(linears) > 1 else None), None
+            return self.router(x_flat), (self.latent_down(x_flat) if len(linears) > 1 else None), None
         weights = [m.weight for m in linears] + (self.shared.stacked_weights() if shared else [])
         widths = [m.out_features for m in linears] + ([sum(w.shape[0] for w in weights[len(linears):])] if shared else [])
         pieces = list(stacked_linear(x_flat, weights).split(widths, dim=-1))
@@ -273,7 +271,7 @@ class LatentMoE(nn.Module):
         logits, z, shared_gate_in = self.input_projections(x_flat)
         _, topk_idx, weights = self.route(logits)
         if z is not None:
-            y = linear(self.latent_up, self.latent_norm(self.routed(z, topk_idx, weights)))
+            y = self.latent_up(self.latent_norm(self.routed(z, topk_idx, weights)))
         else:
             y = self.routed(x_flat, topk_idx, weights)
         if shared_gate_in is not None:
