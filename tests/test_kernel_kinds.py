@@ -76,6 +76,11 @@ def test_trace_kernels_summed_by_kind(tmp_path):
     assert text.splitlines()[0] == "kernel time 3.0 ms: dense_gemm 2.0, kda 0.2, memory 0.8"
     assert "dense_gemm: 2.0 ms (66.7%) in 2 launches" in text
     assert "attention" not in text  # kinds that did not run are left out
+    # each kernel with its launches, its mean time a launch and the running share of its kind
+    assert "       2.00 ms      2x    1000.0 us  100.0%  " + NAMES[0][0][:110] in text
+    memory = text.split("memory: ")[1].splitlines()
+    assert memory[0] == "0.8 ms (25.0%) in 2 launches" and len(memory) == 3  # both kernels: 99% needs them
+    assert len(format_kinds(table, coverage=0.5).split("memory: ")[1].splitlines()) == 2  # the first is enough
 
 
 def test_cli_prints_each_trace(tmp_path, capsys):

@@ -76,8 +76,11 @@ def device_kernels(events: Iterable[dict[str, Any]]) -> list[tuple[str, float]]:
             if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
 
 
-def format_kinds(table: dict[str, dict[str, tuple[float, int]]], rows: int = 8, name_width: int = 90) -> str:
-    """Each kind's total and share, then its ``rows`` largest kernels."""
+def format_kinds(table: dict[str, dict[str, tuple[float, int]]], coverage: float = 0.99, max_rows: int = 80,
+                 name_width: int = 110) -> str:
+    """Each kind's total and share, then its largest kernels until they make ``coverage`` of the kind's
+    time (at most ``max_rows``): time, launches, mean time a launch and the running share, which tell a
+    kernel away from its floor from many short launches (docs/performance.md §12.13)."""
     totals = kind_totals(table)
     whole = sum(totals.values()) or 1.0
     lines = [f"kernel time {whole:.1f} ms: " + ", ".join(f"{k} {totals[k]:.1f}" for k in KINDS if totals[k])]
@@ -86,7 +89,13 @@ def format_kinds(table: dict[str, dict[str, tuple[float, int]]], rows: int = 8, 
             continue
         launches = sum(n for _, n in table[kind].values())
         lines.append(f"{kind}: {totals[kind]:.1f} ms ({totals[kind] / whole:.1%}) in {launches} launches")
-        lines += kernel_lines(table[kind], rows, name_width)
+        shown = 0.0
+        for name, (ms, n) in list(table[kind].items())[:max_rows]:
+            shown += ms
+            lines.append(f"  {ms:9.2f} ms {n:6d}x {ms / n * 1e3:9.1f} us  {shown / (totals[kind] or 1.0):6.1%}  "
+                         f"{name[:name_width]}")
+            if shown >= coverage * totals[kind]:
+                break
     return "\n".join(lines)
 
 
