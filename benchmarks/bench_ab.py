@@ -25,6 +25,10 @@ moe_lc/, kernels/ and recipes/), so a code change is timed against its own basel
     git worktree add .base HEAD~1     # then carry .base to the GPU machine
     python benchmarks/bench_ab.py k3-small-8k --variant before=@.base --variant after= --rounds 2
 
+`--profile` profiles each run after its timed steps and adds the share of a whole step in which the
+GPU waits for the host: a change that removes kernels from a step bound by its host shows there,
+not in the step (docs/performance.md §12.13).
+
 The positional arguments are the recipe and overrides shared by all. Needs the devices the recipe
 runs on; `python -m moe_lc.cli` must be importable (installed, or on PYTHONPATH).
 """
@@ -76,14 +80,15 @@ def variant_environment(words: list[str], scratch: Path) -> tuple[list[str], dic
     return overrides, env
 
 
-def run_once(shared: list[str], words: list[str], steps: int, warmup: int, timeout: float) -> dict:
+def run_once(shared: list[str], words: list[str], steps: int, warmup: int, timeout: float,
+             profile: bool = False) -> dict:
     """One `moe-lc bench` call in its own process, with the variant's overrides, environment and tree;
-    its JSON report."""
+    its JSON report. ``profile``: with `--profile` (after the timed steps, which it does not change)."""
     with tempfile.TemporaryDirectory() as tmp:
         overrides, env = variant_environment(words, Path(tmp))
         out = Path(tmp) / "bench.json"
         cmd = [sys.executable, "-m", "moe_lc.cli", "bench", *shared, *overrides, "--steps", str(steps),
-               "--warmup", str(warmup), "--json", str(out)]
+               "--warmup", str(warmup), "--json", str(out), *(["--profile"] if profile else [])]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **env})
         if done.returncode != 0 or not out.exists():
             raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-2000:]}")
@@ -105,6 +110,10 @@ def summarise(runs: dict[str, list[dict]]) -> list[dict]:
         row = dict(variant=name, run_means_s=means, mean_s=mean, spread_s=max(means) - min(means), median_s=median,
                    mfu=statistics.fmean(r["mfu"] or 0.0 for r in reports),
                    peak_memory_gib=max(r["peak_memory_gib"] for r in reports))
+        idle = [r["profile"]["full_step_idle_share"] for r in reports
+                if (r.get("profile") or {}).get("full_step_idle_share") is not None]
+        if idle:  # --profile on a GPU: how much of a whole step waits for the host
+            row["gpu_idle"] = statistics.fmean(idle)
         if base is None:
             base = row
         row["change"] = mean / base["mean_s"] - 1.0
@@ -114,13 +123,16 @@ def summarise(runs: dict[str, list[dict]]) -> list[dict]:
 
 
 def format_rows(rows: list[dict]) -> str:
+    idle = any("gpu_idle" in r for r in rows)
     lines = ["| variant | steady step means per run (s) | mean | spread | change vs first | median step | median's "
-             "change | MFU | peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
+             "change | MFU | peak GiB |" + (" GPU idle |" if idle else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if idle else "")]
     for r in rows:
         runs = ", ".join(f"{m:.3f}" for m in r["run_means_s"])
+        gpu_idle = (f" {100 * r['gpu_idle']:.1f}% |" if "gpu_idle" in r else " - |") if idle else ""
         lines.append(f"| {r['variant']} | {runs} | {r['mean_s']:.3f} | {r['spread_s']:.3f} | {100 * r['change']:+.2f}% "
                      f"| {r['median_s']:.3f} | {100 * r['median_change']:+.2f}% | {100 * r['mfu']:.1f}% "
-                     f"| {r['peak_memory_gib']:.2f} |")
+                     f"| {r['peak_memory_gib']:.2f} |" + gpu_idle)
     return "\n".join(lines)
 
 
@@ -134,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take")
     parser.add_argument("--out", default=None, help="write the reports and the table's numbers as JSON")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile each run after its timed steps (`moe-lc bench --profile`): on a GPU the "
+                             "table adds the share of a whole step the GPU waits for the host")
     args = parser.parse_args(argv)
     names = [name for name, _ in args.variant]
     if len(set(names)) != len(names):
@@ -142,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(args.rounds):
         for name, overrides in args.variant:
             print(f"round {round_ + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
-            report = run_once(args.shared, overrides, args.steps, args.warmup, args.timeout)
+            report = run_once(args.shared, overrides, args.steps, args.warmup, args.timeout, args.profile)
             runs[name].append(report)
             print(f"  steps {', '.join(f'{s:.3f}' for s in report['step_times_s'])}", file=sys.stderr, flush=True)
     rows = summarise(runs)

@@ -25,10 +25,13 @@ def _fake_runs(ab, monkeypatch, times: dict[str, list[list[float]]]) -> list[str
     list of variants in the order they ran."""
     calls: list[str] = []
 
-    def fake_run(shared, overrides, steps, warmup, timeout):
+    def fake_run(shared, overrides, steps, warmup, timeout, profile=False):
         name = overrides[0].split("=")[1]
         calls.append(name)
-        return dict(step_times_s=times[name][sum(c == name for c in calls) - 1], mfu=0.5, peak_memory_gib=1.0)
+        report = dict(step_times_s=times[name][sum(c == name for c in calls) - 1], mfu=0.5, peak_memory_gib=1.0)
+        if profile:  # as `moe-lc bench --profile` reports it on a GPU; its share here: 1 / the run's first step
+            report["profile"] = dict(full_step_idle_share=1.0 / report["step_times_s"][0])
+        return report
 
     monkeypatch.setattr(ab, "run_once", fake_run)
     return calls
@@ -142,3 +145,18 @@ def test_a_tree_word_runs_the_variant_from_that_checkout(tmp_path, monkeypatch):
     assert done.stdout.split() == ["moe_lc", "kernels", "recipes"], done.stderr
     with pytest.raises(SystemExit, match="is not a moe-lc tree"):
         ab.variant_environment([f"@{tmp_path / 'scratch'}"], tmp_path)
+
+
+def test_profiled_runs_add_the_gpus_idle_share(tmp_path, capsys, monkeypatch):
+    """--profile: each run's whole-step idle share, averaged per variant, in the table and the JSON."""
+    ab = _script()
+    _fake_runs(ab, monkeypatch, {"a": [[4.0, 1.0], [5.0, 1.0]], "b": [[10.0, 1.0], [10.0, 1.0]]})
+    out = tmp_path / "ab.json"
+    assert ab.main(["smoke", "--variant", "a=x=a", "--variant", "b=x=b", "--profile", "--out", str(out)]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["a"]["gpu_idle"] == pytest.approx((0.25 + 0.2) / 2) and rows["b"]["gpu_idle"] == pytest.approx(0.1)
+    text = capsys.readouterr().out
+    assert "| GPU idle |" in text and text.splitlines()[2].endswith("| 22.5% |")
+    _fake_runs(ab, monkeypatch, {"a": [[4.0, 1.0], [5.0, 1.0]], "b": [[10.0, 1.0], [10.0, 1.0]]})
+    assert ab.main(["smoke", "--variant", "a=x=a", "--variant", "b=x=b"]) == 0  # without it, no column
+    assert "GPU idle" not in capsys.readouterr().out
