@@ -185,7 +185,7 @@ def test_resume_refuses_another_model_or_tokenizer(capsys, trained):
     assert "tokenizer/vocab mismatch" in err
 
 
-def test_resume_takes_other_backends_and_checkpoints_from_before_an_execution_field(capsys, trained, tmp_path):
+def test_resume_takes_other_backends_and_checkpoints_from_before_an_execution_field(trained, tmp_path):
     """Fields that change how the same weights compute (backends, stacked projections) may differ on
     resume, and a checkpoint written before one of them existed (its trainer.json lacks it) passes the
     model check; a field that changes the weights does not."""

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any, Optional
 
-from moe_lc.metrics.breakdown import kernel_lines, kernel_table
+from moe_lc.metrics.breakdown import kernel_table
 from moe_lc.metrics.gaps import load_trace
 
 KINDS = ("dense_gemm", "grouped_gemm", "attention", "kda", "optimizer", "communication", "memory")

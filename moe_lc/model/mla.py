@@ -56,7 +56,7 @@ class GatedMLA(nn.Module):
         weights, split by columns: x is cast to autocast's dtype and kept for backward once instead of
         four times, and dx is one GEMM instead of four and their sum (docs/design.md §3)."""
         linears = self.x_projections()
-        fused = self.cfg.fused_projections and len(linears) > 1 and all(stackable(m) for m in linears)
+        fused = self.cfg.fused_projections and all(stackable(m) for m in linears)
         if fused:
             outputs = list(stacked_linear(x, [m.weight for m in linears]).split([m.out_features for m in linears], -1))
         else:
