@@ -147,6 +147,13 @@ COMMANDS: dict[str, object] = {
         "--rounds 2 --steps 5 --warmup 3",
         "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --variant mla4=model.mla.fused_projections=false "
         "--variant fused= --rounds 2 --steps 6 --warmup 3",
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 1 --steps 4 --warmup 3 --profile "
+        "--variant base= --variant mb1=\"curriculum.stages.ctx8k.micro_batch=1\" --variant d2560mb1=\"model.d_model=2560 "
+        "model.kda.num_heads=20 model.mla.num_heads=20 model.moe.latent_dim=1280 model.moe.expert_hidden=1120 "
+        "model.moe.dense_hidden=6720 curriculum.stages.ctx8k.micro_batch=1\"",
+        "python benchmarks/bench_ab.py proxy-8k curriculum.stages.ctx8k.global_batch_tokens=131072 --rounds 1 --steps 4 "
+        "--warmup 3 --profile --variant mb4= --variant mb1=\"curriculum.stages.ctx8k.micro_batch=1\" "
+        "--variant mb2=\"curriculum.stages.ctx8k.micro_batch=2\"",
         "moe-lc bench proxy-8k curriculum.stages.ctx8k.global_batch_tokens=131072 --steps 4 --warmup 3 --trace DIR",
         "moe-lc bench proxy-64k curriculum.stages.ctx64k.global_batch_tokens=65536 --steps 2 --warmup 2 --trace DIR",
         "moe-lc bench proxy-8k compile.enabled=false curriculum.stages.ctx8k.global_batch_tokens=131072 "

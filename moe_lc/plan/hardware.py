@@ -71,6 +71,14 @@ MEASURED_RATES = ComputeRates(dense_gemm=0.74, grouped_gemm=0.55, attention=0.40
 
 DEFAULT_MARGIN = 0.10  # assumed: memory kept free for the CUDA context, NCCL and allocator fragmentation
 
+# measured here: the host's time per decoder layer and micro-batch, forward and backward (Python, dispatch and
+# launches, whatever the layer's width), from steps bound by their host on H100 machines (the GPU idle 24-71% of
+# the step): k3-small's layers at 8 of 20, one 8K row a micro-batch, 105 ms a micro-batch (13.1 ms a layer); the
+# proxy (9 layers) at one and two 8K rows, 110 and 120 ms (12.2 and 13.3 ms a layer); docs/performance.md §12.14.
+# Where a micro-batch's kernels take less, the GPU waits for the host.
+HOST_LAYER_SECONDS = 0.013
+HOST_FORWARD_SHARE = 0.5  # assumed: the forward's share of a layer's host time, which a recompute runs again
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -83,6 +91,7 @@ class Cluster:
     memory_gib: float  # per GPU
     margin: float = DEFAULT_MARGIN
     rates: ComputeRates = MEASURED_RATES
+    host_layer_s: float = HOST_LAYER_SECONDS  # the host's time per decoder layer and micro-batch
 
     @property
     def usable_gib(self) -> float:
@@ -152,6 +161,8 @@ class ClusterRequest:
         return Cluster(gpu, self.gpus, self.gpus_per_node, NETWORKS[self.interconnect], memory, self.margin)
 
 
-def default_cluster(world_size: int, gpus_per_node: int) -> Cluster:
-    """H200s on NDR InfiniBand: what the plan of a recipe's own layout prices its time on."""
-    return Cluster(H200, world_size, gpus_per_node, NETWORKS["ib400"], H200.memory_gib)
+def default_cluster(world_size: int, gpus_per_node: int, device_name: Optional[str] = None) -> Cluster:
+    """H200s on NDR InfiniBand: what the plan of a recipe's own layout prices its time on; H100s where
+    ``device_name`` (``torch.cuda.get_device_name``) names one, as a bench on an H100 compares with."""
+    gpu = H100 if device_name is not None and "H100" in device_name.upper() else H200
+    return Cluster(gpu, world_size, gpus_per_node, NETWORKS["ib400"], gpu.memory_gib)

@@ -40,9 +40,13 @@ TP, EP, CP and PP communication is exposed (on the critical path).
 
     step = (m + pp - 1) x max_s t_micro(s) + exposed gradient sync + optimizer
 
-with t_micro = t_compute + exposed communication, m micro-batches per data-parallel rank (1F1B:
-(pp - 1) micro-batch slots are the bubble). The optimizer step reads and writes its state at the
-fused optimizer's measured share of the HBM bandwidth (AdamW 28 B per parameter of the shard, Muon
+with t_micro = max(t_compute + exposed communication, t_host), m micro-batches per data-parallel rank
+(1F1B: (pp - 1) micro-batch slots are the bubble). t_host is what the host needs to issue a
+micro-batch: a measured time per decoder layer (`moe_lc.plan.hardware.HOST_LAYER_SECONDS`, whatever
+the layer's width), plus the forward's share again for a checkpointed layer. Small micro-batches (one
+8K row of a narrow model) are bound by it: the GPU waits, which the ``host`` term counts.
+
+The optimizer step reads and writes its state at the fused optimizer's measured share of the HBM bandwidth (AdamW 28 B per parameter of the shard, Muon
 20 B, and the gradient norm's read of 4 B) and runs Muon's Newton-Schulz (dense GEMMs) on its
 matrices: expert blocks on the shard that holds them whole (every edp rank when the shard splits an
 expert), per-head blocks on the shard, other matrices whole on every rank.
@@ -64,7 +68,7 @@ from moe_lc.parallel.activation_memory import (ExecutionPath, LayerActivations, 
                                                sources_before_layer)
 from moe_lc.parallel.compile import RegionalCompile
 from moe_lc.parallel.layout import ParallelLayout
-from moe_lc.plan.hardware import Cluster
+from moe_lc.plan.hardware import HOST_FORWARD_SHARE, Cluster
 from moe_lc.plan.memory import Degrees, StageShape
 from moe_lc.plan.model_facts import ModelFacts, PipelineStage, Share
 
@@ -73,7 +77,7 @@ FP32 = 4  # gradient reduction, ZeRO-1's updated parameters, KDA states
 ADAMW_BYTES = 16 + 12  # read weight, gradient, two moments; write weight and moments (fp32)
 MUON_BYTES = 12 + 8  # read weight, gradient, momentum; write weight and momentum
 NORM_BYTES = 4  # the gradient norm (clipping) reads every fp32 gradient once
-TERMS = ("compute", "bubble", "tp", "ep", "cp", "pp", "fsdp", "dp_sync", "optimizer")
+TERMS = ("compute", "host", "bubble", "tp", "ep", "cp", "pp", "fsdp", "dp_sync", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,7 @@ class StepTime:
 
     compute: float  # all micro-batches of the critical stage, the recompute included
     recompute: float  # the part of compute that is activation checkpointing's second forward
+    host: float  # the GPU waiting for the host, where issuing a micro-batch takes longer than running it
     bubble: float
     tp: float
     ep: float
@@ -149,6 +154,7 @@ class _StageWork:
     mla_passes: int  # MLA layer passes (each: one latent gather or its reduce-scatter under cp)
     kda_passes: int
     boundary_sources: int  # residual stream tensors sent to the next stage (or back to the previous)
+    host_layers: float  # decoder layers the host issues per micro-batch, a recompute's forward share included
 
 
 @dataclass
@@ -161,6 +167,7 @@ class _Micro:
     pp: float
     fsdp_gather: float
     sync: float  # exposed gradient reduction at the step's end
+    host: float  # the host's time to issue the micro-batch
 
     @property
     def exposed_fsdp(self) -> float:
@@ -169,6 +176,11 @@ class _Micro:
     @property
     def total(self) -> float:
         return self.compute + self.tp + self.ep + self.cp + self.pp + self.exposed_fsdp
+
+    @property
+    def paced(self) -> float:
+        """The micro-batch's time: its work, or the host's issuing where that is longer."""
+        return max(self.total, self.host)
 
 
 @dataclass(frozen=True)
@@ -186,13 +198,14 @@ class _Rates:
     fsdp_reduce: float  # one micro-batch's gradient reduction (the last one's, or each one's)
     zero1_sync: float
     optimizer: float
+    host_layer: float  # the host's seconds per decoder layer and micro-batch
 
     def micro(self, w: _StageWork) -> _Micro:
         compute = (w.seconds + w.recompute) * self.tokens
         sync = max(0.0, self.fsdp_reduce - 2 / 3 * compute) + self.zero1_sync
         return _Micro(compute, w.recompute * self.tokens, w.tp_collectives * self.tp_collective,
                       w.moe_passes * self.moe_pass, w.mla_passes * self.mla_pass + w.kda_passes * self.kda_pass,
-                      w.boundary_sources * self.pp_source, self.fsdp_gather, sync)
+                      w.boundary_sources * self.pp_source, self.fsdp_gather, sync, w.host_layers * self.host_layer)
 
 
 class TimeModel:
@@ -226,10 +239,11 @@ class TimeModel:
         times = []
         for policy in policies:
             micros = [r.micro(self._stage_work(r.stage, policy, path)) for r in rates]
-            crit = max(range(len(micros)), key=lambda s: micros[s].total)
+            crit = max(range(len(micros)), key=lambda s: micros[s].paced)
             c = micros[crit]
             times.append(StepTime(
-                compute=m * c.compute, recompute=m * c.recompute, bubble=(L.pp - 1) * c.total,
+                compute=m * c.compute, recompute=m * c.recompute, host=m * (c.paced - c.total),
+                bubble=(L.pp - 1) * c.paced,
                 tp=m * c.tp, ep=m * c.ep, cp=m * c.cp, pp=m * c.pp, fsdp=m * c.exposed_fsdp,
                 dp_sync=max(u.sync for u in micros) * (m if L.reduce_every_micro_batch else 1), optimizer=max(r.optimizer for r in rates), stage=crit,
                 model_flops=shape.sequences_per_step * shape.seq_len * self.model_flops_per_token,
@@ -260,8 +274,9 @@ class TimeModel:
         def passes(i: int) -> int:  # forward, backward and a checkpointed layer's recompute
             return 3 if policy.checkpoints(i) else 2
 
-        seconds = recompute = 0.0
+        seconds = recompute = host_layers = 0.0
         for i in layers:
+            host_layers += 1 + (HOST_FORWARD_SHARE if policy.checkpoints(i) else 0.0)
             flops = self.mtp_flops if i == mtp else self.layer_flops[i]
             layer = self._seconds(flops) + self._memory_seconds(kept[i].none)
             seconds += layer
@@ -278,6 +293,7 @@ class TimeModel:
             mla_passes=sum(passes(i) for i in layers if i in mla),
             kda_passes=sum(passes(i) for i in layers if i not in mla),
             boundary_sources=boundary,
+            host_layers=host_layers,
         )
         self._work[key] = work
         return work
@@ -335,6 +351,7 @@ class TimeModel:
             pp_source=pp_source,
             fsdp_gather=gather, fsdp_reduce=reduce, zero1_sync=zero1,
             optimizer=self._optimizer_time(stage, L),
+            host_layer=cluster.host_layer_s,
         )
 
     def _optimizer_time(self, stage: PipelineStage, L: Degrees) -> float:

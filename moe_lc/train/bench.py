@@ -209,17 +209,19 @@ def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled
                 with contextlib.closing(gap_steps):
                     _write_gaps(gap_steps, show, prefix)
     result = _result(cfg, plan, runtime, timed, wall, warmup, matmul_peak, profile_result)
-    planned = planned_step_and_peak(cfg, plan, result.keys_per_token) if device.type == "cuda" else (None, None)
+    planned = (planned_step_and_peak(cfg, plan, result.keys_per_token, torch.cuda.get_device_name(device))
+               if device.type == "cuda" else (None, None))
     return replace(result, precision=result.precision + _compiled_note(state.model), allocator_per_step=allocator,
                    planned_step_s=planned[0], planned_peak_gib=planned[1])
 
 
-def planned_step_and_peak(cfg: TrainConfig, plan: StagePlan, keys_per_token: Optional[float] = None
-                          ) -> tuple[float, float]:
+def planned_step_and_peak(cfg: TrainConfig, plan: StagePlan, keys_per_token: Optional[float] = None,
+                          device_name: Optional[str] = None) -> tuple[float, float]:
     """`moe-lc plan`'s step time (s) and peak memory (GiB) for this stage under its layout and policy, for
-    the documents the timed steps had (``keys_per_token``): printed beside the measured ones, each bench
-    run is a calibration point of the planner."""
-    estimate = estimate_stage(cfg, plan, keys_per_token)
+    the documents the timed steps had (``keys_per_token``), on the GPU ``device_name`` names (an H100's
+    bandwidth and memory; else an H200's): printed beside the measured ones, each bench run is a
+    calibration point of the planner."""
+    estimate = estimate_stage(cfg, plan, keys_per_token, device_name)
     return estimate.time.step, estimate.memory.total / GIB
 
 

@@ -38,7 +38,7 @@ class StageEstimate:
     memory: MemoryBreakdown  # under the stage's policy
     by_policy_gib: dict[str, float]  # the peak's activations under each policy (none, selective, full)
     time: StepTime  # on `cluster`
-    cluster: Cluster  # H200s (`moe_lc.plan.hardware.default_cluster`)
+    cluster: Cluster  # H200s, or the bench's GPUs (`moe_lc.plan.hardware.default_cluster`)
 
     @property
     def activations_gib(self) -> float:
@@ -63,14 +63,16 @@ def stage_shape(stage: StagePlan) -> StageShape:
     return StageShape(stage.seq_len, stage.micro_batch, stage.sequences_per_step)
 
 
-def estimate_stage(cfg: TrainConfig, stage: StagePlan, keys_per_token: Optional[float] = None) -> StageEstimate:
+def estimate_stage(cfg: TrainConfig, stage: StagePlan, keys_per_token: Optional[float] = None,
+                   device_name: Optional[str] = None) -> StageEstimate:
     """Memory and time of one stage under its own (resolved) layout and policy (``keys_per_token``: the
-    data's mean attention keys per query where known, else one document per row)."""
+    data's mean attention keys per query where known, else one document per row), on H200s or on the
+    GPUs ``device_name`` names (`moe_lc.plan.hardware.default_cluster`)."""
     facts, shape = facts_of(cfg), stage_shape(stage)
     memory = MemoryModel(facts, shape, cfg.optim.name, cfg.compile)
     policies = [replace(stage.checkpointing, mode=mode) for mode in CheckpointMode]
     by_policy = {str(p.mode): m.activations / GiB for p, m in zip(policies, memory.price(stage.layout, policies))}
-    cluster = default_cluster(stage.layout.world_size, stage.layout.gpus_per_node)
+    cluster = default_cluster(stage.layout.world_size, stage.layout.gpus_per_node, device_name)
     time = TimeModel(facts, shape, cluster, cfg.optim.name, cfg.compile, keys_per_token)(stage.layout,
                                                                                         stage.checkpointing)
     return StageEstimate(stage, training_flops_per_token(cfg.model, stage.seq_len),
