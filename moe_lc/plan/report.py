@@ -8,7 +8,8 @@ from moe_lc.plan.search import MIN_CP_TOKENS, Candidate, Recommendation
 from moe_lc.plan.step_time import StepTime
 
 TERM_NAMES = {
-    "host": "the GPU waiting for the host", "bubble": "pipeline bubble", "tp": "TP collectives", "ep": "EP all-to-all", "cp": "CP gathers",
+    "host": "the GPU waiting for the host", "bubble": "pipeline bubble", "tp": "TP collectives",
+    "ep": "EP all-to-all", "cp": "CP gathers",
     "pp": "PP transfers", "fsdp": "FSDP all-gathers", "dp_sync": "gradient sync", "optimizer": "optimizer step",
 }
 MEMORY_BOUND = 0.9  # a layout using this share of the usable memory or more is bound by memory
@@ -23,9 +24,9 @@ def assumptions(cluster: Cluster) -> list[str]:
         f"cluster: {cluster.describe()}",
         f"time model: of the {cluster.gpu.bf16_peak / 1e12:.0f} TFLOP/s bf16 peak, dense GEMMs at {r.dense_gemm:.0%}, "
         f"grouped {r.grouped_gemm:.0%}, attention {r.attention:.0%}, KDA {r.kda:.1%}; memory-bound kernels "
-        f"{r.memory_passes:g} passes over the kept activations at {HBM_FRACTION:.0%} of HBM (measured on an H200); the host "
-        f"{cluster.host_layer_s * 1e3:.0f} ms a layer and micro-batch (measured on H100 machines), which the GPU waits for "
-        "where a micro-batch's kernels take less;",
+        f"{r.memory_passes:g} passes over the kept activations at {HBM_FRACTION:.0%} of HBM (measured on an H200); "
+        f"the host {cluster.host_layer_s * 1e3:.0f} ms a layer and micro-batch (measured on H100 machines), which "
+        "the GPU waits for where a micro-batch's kernels take less;",
         f"  links at {LINK_FRACTION:.0%} (assumed), TP, EP, CP and PP communication exposed, FSDP's overlapped with "
         "compute, no per-message latency",
         "memory model: one-GPU peaks within 11% of those measured on an H200; multi-GPU buffers not measured "
@@ -57,8 +58,8 @@ def largest_memory_terms(mem: MemoryBreakdown, count: int = 2) -> str:
 def time_lines(t: StepTime) -> list[str]:
     comm = ", ".join(f"{name} {getattr(t, term):.3g}" for term, name in (
         ("tp", "tp"), ("ep", "ep"), ("cp", "cp"), ("pp", "pp"), ("fsdp", "fsdp"), ("dp_sync", "dp sync")))
-    return [f"time s      compute {t.compute:.3g} (recompute {t.recompute:.3g}), host {t.host:.3g}, bubble {t.bubble:.3g}, "
-            f"{comm},",
+    return [f"time s      compute {t.compute:.3g} (recompute {t.recompute:.3g}), host {t.host:.3g}, "
+            f"bubble {t.bubble:.3g}, {comm},",
             f"{LABEL}optimizer {t.optimizer:.3g} => {t.step:.3g} (pipeline stage {t.stage} sets the pace)"]
 
 

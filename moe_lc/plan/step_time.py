@@ -46,8 +46,9 @@ micro-batch: a measured time per decoder layer (`moe_lc.plan.hardware.HOST_LAYER
 the layer's width), plus the forward's share again for a checkpointed layer. Small micro-batches (one
 8K row of a narrow model) are bound by it: the GPU waits, which the ``host`` term counts.
 
-The optimizer step reads and writes its state at the fused optimizer's measured share of the HBM bandwidth (AdamW 28 B per parameter of the shard, Muon
-20 B, and the gradient norm's read of 4 B) and runs Muon's Newton-Schulz (dense GEMMs) on its
+The optimizer step reads and writes its state at the fused optimizer's measured share of the HBM
+bandwidth (AdamW 28 B per parameter of the shard, Muon 20 B, and the gradient norm's read of 4 B)
+and runs Muon's Newton-Schulz (dense GEMMs) on its
 matrices: expert blocks on the shard that holds them whole (every edp rank when the shard splits an
 expert), per-head blocks on the shard, other matrices whole on every rank.
 """
