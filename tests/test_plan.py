@@ -583,6 +583,15 @@ def test_cli_plans_a_cluster(capsys):
     assert "141 GiB per GPU" in out and re.search(r"best  pp=[248] ", out)  # pipelines run
 
 
+def test_cli_says_when_the_gpu_waits_for_the_host_and_what_hides_it(capsys):
+    argv = ["plan", "proxy-8k", "curriculum.stages.ctx8k.global_batch_tokens=131072",
+            "curriculum.stages.ctx8k.micro_batch=1", "--gpus", "1", "--gpu", "h100"]
+    assert cli_main(argv) == 0
+    block = capsys.readouterr().out.split("ctx8k:")[1].split("ctx64k:")[0]
+    assert re.search(r"binds +the GPU waiting for the host \d+% of the step \(more rows a micro-batch", block)
+    assert re.search(r"host [1-9]", block)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--gpus", "12"], "--gpus 12 is not a whole number of 8-GPU nodes"),
     (["--gpus", "0"], "--gpus 0: give the number of GPUs"),

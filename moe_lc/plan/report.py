@@ -68,6 +68,8 @@ def limits(c: Candidate, cluster: Cluster) -> str:
     name, share = c.time.largest_overhead()
     used = c.memory.total / (cluster.usable_gib * GiB)
     text = f"{TERM_NAMES[name]} {share:.0%} of the step"
+    if name == "host":  # a micro-batch the host issues slower than the GPU runs it: give the GPU more per launch
+        text += " (more rows a micro-batch would hide it)"
     return text + (f", memory {used:.0%} of usable" if used >= MEMORY_BOUND else "")
 
 
