@@ -62,6 +62,7 @@ from moe_lc.train.runtime import Runtime, init_runtime
 from moe_lc.train.step import TakenStep, run_steps
 
 GIB = 2**30
+HOST_BOUND_IDLE = 0.10  # a whole step's GPU idle share from which the report calls the step bound by its host
 PROFILER_WARMUP_STEPS = 1  # the profiler's own start-up cost lands in this step, which is not recorded
 PROFILED_STEPS = 1
 
@@ -415,7 +416,9 @@ def format_bench(r: BenchResult) -> str:
                      f"({r.grad_accum} in a timed step), {p.step_time_s:.3f} s, {idle} {pct(p.device_idle_share)} of it")
         if p.full_step_idle_share is not None:
             lines.append(f"  GPU idle      {pct(p.full_step_idle_share)} of a whole step of {r.grad_accum} micro-batch(es) "
-                         "(its kernels traced alone): the share that waits for the host")
+                         "(its kernels traced alone): the share that waits for the host"
+                         + ("; bound by the host: more rows a micro-batch (micro_batch) give each launch more work"
+                            if p.full_step_idle_share >= HOST_BOUND_IDLE else ""))
         step_ms = 1e3 * p.step_time_s
         kind = "kernels" if r.device_type == "cuda" else "op CPU"
         lines.append(f"    {'component':<16} {kind:>10}  {'share':>6}  {'host wall':>10}")
