@@ -47,7 +47,7 @@ HBM, HBM_SHARE = 4.8e12, 0.88
 # shares of PEAK by kind of work, memory-bound passes over the kept activations, the optimizer's HBM share
 DENSE, GROUPED, ATTENTION, KDA = 0.74, 0.55, 0.40, 0.021
 PASSES, OPTIMIZER_HBM = 8.0, 0.61
-HOST_LAYER, HOST_FORWARD = 0.013, 0.5  # the host's seconds per layer and micro-batch; a recompute's share of it
+HOST_LAYER, HOST_FORWARD = 0.013, 0.42  # the host's seconds per layer and micro-batch; a recompute's share of it
 REL = 1e-12  # float64 sums of a few dozen terms
 
 K3_STAGES = {"ctx8k": 8192, "ctx64k": 65536, "ctx256k": 262144, "ctx1m": 1 << 20}

@@ -77,7 +77,9 @@ DEFAULT_MARGIN = 0.10  # assumed: memory kept free for the CUDA context, NCCL an
 # proxy (9 layers) at one and two 8K rows, 110 and 120 ms (12.2 and 13.3 ms a layer); docs/performance.md §12.14.
 # Where a micro-batch's kernels take less, the GPU waits for the host.
 HOST_LAYER_SECONDS = 0.013
-HOST_FORWARD_SHARE = 0.5  # assumed: the forward's share of a layer's host time, which a recompute runs again
+# the forward's share of a layer's host time, which a recompute runs again: measured here on a KDA layer at
+# k3-small's shape (benchmarks/host_time_kda.py: 3.82 of 9.12 ms, docs/performance.md §12.3), the others not
+HOST_FORWARD_SHARE = 0.42
 
 
 @dataclass(frozen=True)
