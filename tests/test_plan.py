@@ -590,6 +590,11 @@ def test_cli_says_when_the_gpu_waits_for_the_host_and_what_hides_it(capsys):
     block = capsys.readouterr().out.split("ctx8k:")[1].split("ctx64k:")[0]
     assert re.search(r"binds +the GPU waiting for the host \d+% of the step \(more rows a micro-batch", block)
     assert re.search(r"host [1-9]", block)
+    # and what two rows a micro-batch would take: about half the step (0.945 s priced, 0.961 s measured)
+    more = re.search(r"micro_batch 2 \(curriculum.stages.ctx8k.micro_batch\): ([\d.]+) s/step \((\d+)% less\)", block)
+    assert more and 0.85 < float(more.group(1)) < 1.05 and 40 <= int(more.group(2)) <= 60, block
+    assert cli_main(argv[:3] + ["curriculum.stages.ctx8k.micro_batch=4", *argv[4:]]) == 0  # GPU-bound: no such line
+    assert "micro_batch 8 (" not in capsys.readouterr().out.split("ctx8k:")[1].split("ctx64k:")[0]
 
 
 @pytest.mark.parametrize("argv,message", [
