@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -73,6 +74,17 @@ def test_every_recipe_composes_validates_and_plans(recipe):
     for p in plans:
         assert p.name in text
     assert "memory per GPU" in text
+
+
+def test_the_plan_says_which_stage_waits_for_the_host_and_which_key_hides_it():
+    """The proxy at one 8K row a micro-batch is priced waiting for its host most of the step (measured on
+    an H100: the GPU idle 71%, docs/performance.md §12.14); at its recipe's four rows it is not."""
+    line = next(x for x in plan_text(compose_recipe("proxy-8k", ["curriculum.stages.ctx8k.micro_batch=1"]), 1)
+                .splitlines() if x.startswith("  ctx8k "))
+    assert re.search(r"the GPU waits for the host \d+% of it: more rows a micro-batch "
+                     r"\(curriculum.stages.ctx8k.micro_batch\) hide that", line), line
+    line = next(x for x in plan_text(compose_recipe("proxy-8k"), 1).splitlines() if x.startswith("  ctx8k "))
+    assert "waits for the host" not in line
 
 
 def test_stage_recipes_select_their_stage_and_share_one_schedule():

@@ -23,7 +23,7 @@ from moe_lc.plan.hardware import Cluster, default_cluster
 from moe_lc.plan.memory import GiB, MemoryBreakdown, MemoryModel, StageShape
 from moe_lc.plan.model_facts import ModelFacts, model_facts
 from moe_lc.plan.report import assumptions, recommendation_lines
-from moe_lc.plan.search import recommend
+from moe_lc.plan.search import HOST_BOUND_SHARE, recommend
 from moe_lc.plan.step_time import StepTime, TimeModel
 from moe_lc.train.config import TrainConfig
 from moe_lc.train.curriculum import StagePlan, check_batch_shape, plan_curriculum, stage_steps, total_steps
@@ -112,6 +112,15 @@ def _header(cfg: TrainConfig, stages: int, steps: int) -> list[str]:
     ]
 
 
+def _host_note(est: StageEstimate) -> str:
+    """Where the GPU would wait for the host a tenth of the step or more: how much, and the key that hides it."""
+    share = est.time.host / est.time.step
+    if share < HOST_BOUND_SHARE:
+        return ""
+    return (f"; the GPU waits for the host {share:.0%} of it: more rows a micro-batch "
+            f"(curriculum.stages.{est.stage.name}.micro_batch) hide that")
+
+
 def plan_text(cfg: TrainConfig, world_size: int) -> str:
     """The human-readable plan of a recipe for `world_size` ranks (every stage checked, run or not)."""
     plans = plan_curriculum(cfg, world_size, every_stage=True)
@@ -141,6 +150,7 @@ def plan_text(cfg: TrainConfig, world_size: int) -> str:
             f"  bwd {m.backward / GiB:.2f}  logits {m.logits / GiB:.2f}  buffers {sum(m.buffers.values()) / GiB:.2f}"
             f"  => {m.total / GiB:.2f}  ({alternatives})   {est.time.step:.1f} s/step (MFU "
             f"{est.time.mfu(est.cluster):.0%}), ~{hours:,.1f} h on {p.layout.world_size} H200"
+            + _host_note(est)
         )
     lines += _pipeline_splits(cfg, plans)
     lowered = {p.name: p.layout.lowered_from(p.requested) for p in plans}
