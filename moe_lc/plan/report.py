@@ -109,7 +109,7 @@ def recommendation_lines(rec: Recommendation, cluster: Cluster, runners_up: int)
                   f"({largest_memory_terms(nearest.memory)})"]
     if rec.more_rows is not None:
         gain = 1 - rec.more_rows.time.step / best.time.step
-        lines.append(f"{CONTINUED}micro_batch {rec.more_rows_micro_batch} (curriculum.stages.{rec.stage}.micro_batch): "
+        lines.append(f"{CONTINUED}micro_batch {2 * rec.shape.micro_batch} (curriculum.stages.{rec.stage}.micro_batch): "
                      f"{rec.more_rows.time.step:.3g} s/step ({gain:.0%} less), MFU {rec.more_rows.time.mfu(cluster):.0%}, "
                      f"{_gib(rec.more_rows.memory.total)} GiB")
     for i, c in enumerate(rec.runners_up(runners_up), start=2):

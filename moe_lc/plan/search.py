@@ -28,7 +28,9 @@ from moe_lc.plan.step_time import StepTime, TimeModel
 
 EP_MAX_NODES = 8
 MIN_CP_TOKENS = 8192
-HOST_BOUND_SHARE = 0.10  # a best layout waiting this share of its step for the host is priced with more rows
+# the share of a step the GPU waits for its host from which the step is called bound by it (plan and bench),
+# and the best layout is priced with more rows a micro-batch
+HOST_BOUND_SHARE = 0.10
 POLICIES = tuple(ActivationCheckpointing(mode) for mode in CheckpointMode)
 
 
@@ -54,10 +56,9 @@ class Recommendation:
     fitting: list[Candidate] = field(default_factory=list)  # the best policy of each fitting layout, fastest first
     faster_rejected: list[Candidate] = field(default_factory=list)  # faster than the best, over the memory
     smallest: Optional[Candidate] = None  # the least memory of all (what comes closest when nothing fits)
-    # the best layout and policy with twice the rows a micro-batch, where the best waits for its host and
-    # that still fits and divides the step (what the recipe's micro_batch would gain)
+    # the best layout and policy at twice the rows a micro-batch, where the best waits for its host and
+    # that still fits and divides the step (what doubling the recipe's micro_batch would gain)
     more_rows: Optional[Candidate] = None
-    more_rows_micro_batch: Optional[int] = None
 
     @property
     def best(self) -> Optional[Candidate]:
@@ -135,19 +136,18 @@ def recommend(facts: ModelFacts, optimizer: str, stage: str, shape: StageShape, 
                     key=lambda c: c.time.step)
     rec = Recommendation(stage, shape, steps, considered, best_per_layout, faster, smallest)
     if rec.best is not None and rec.best.time.host >= HOST_BOUND_SHARE * rec.best.time.step:
-        rec.more_rows_micro_batch, rec.more_rows = _with_more_rows(facts, optimizer, shape, cluster, rec.best,
-                                                                   compile)
+        rec.more_rows = _with_more_rows(facts, optimizer, shape, cluster, rec.best, compile)
     return rec
 
 
 def _with_more_rows(facts: ModelFacts, optimizer: str, shape: StageShape, cluster: Cluster, best: Candidate,
-                    compile: Optional[RegionalCompile]) -> tuple[Optional[int], Optional[Candidate]]:
-    """``best``'s layout and policy at twice the rows a micro-batch: its micro_batch and candidate, or
-    (None, None) where the step's rows do not divide into such micro-batches or they do not fit."""
+                    compile: Optional[RegionalCompile]) -> Optional[Candidate]:
+    """``best``'s layout and policy at twice the rows a micro-batch, or None where the step's rows do not
+    divide into such micro-batches or they do not fit."""
     wider = replace(shape, micro_batch=2 * shape.micro_batch)
     if shape.sequences_per_step % (wider.micro_batch * best.layout.dp):
-        return None, None
+        return None
     memory = MemoryModel(facts, wider, optimizer, compile)(best.layout, best.policy)
     candidate = Candidate(best.layout, best.policy, memory,
                           TimeModel(facts, wider, cluster, optimizer, compile)(best.layout, best.policy))
-    return (wider.micro_batch, candidate) if candidate.fits(cluster) else (None, None)
+    return candidate if candidate.fits(cluster) else None

@@ -52,6 +52,7 @@ from moe_lc.metrics.kernel_kinds import device_kernels, format_kinds, kernels_by
 from moe_lc.metrics.memory import allocator_counters
 from moe_lc.model.accounting import training_flops_per_token
 from moe_lc.parallel.compile import compiled_modules
+from moe_lc.plan.search import HOST_BOUND_SHARE
 from moe_lc.train.config import TrainConfig
 from moe_lc.train.curriculum import StagePlan, plan_curriculum, total_steps
 from moe_lc.train.data import build_stage_data
@@ -62,7 +63,6 @@ from moe_lc.train.runtime import Runtime, init_runtime
 from moe_lc.train.step import TakenStep, run_steps
 
 GIB = 2**30
-HOST_BOUND_IDLE = 0.10  # a whole step's GPU idle share from which the report calls the step bound by its host
 PROFILER_WARMUP_STEPS = 1  # the profiler's own start-up cost lands in this step, which is not recorded
 PROFILED_STEPS = 1
 
@@ -418,7 +418,7 @@ def format_bench(r: BenchResult) -> str:
             lines.append(f"  GPU idle      {pct(p.full_step_idle_share)} of a whole step of {r.grad_accum} micro-batch(es) "
                          "(its kernels traced alone): the share that waits for the host"
                          + ("; bound by the host: more rows a micro-batch (micro_batch) give each launch more work"
-                            if p.full_step_idle_share >= HOST_BOUND_IDLE else ""))
+                            if p.full_step_idle_share >= HOST_BOUND_SHARE else ""))
         step_ms = 1e3 * p.step_time_s
         kind = "kernels" if r.device_type == "cuda" else "op CPU"
         lines.append(f"    {'component':<16} {kind:>10}  {'share':>6}  {'host wall':>10}")
