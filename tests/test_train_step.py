@@ -205,3 +205,18 @@ def test_a_launch_without_the_final_save_leaves_no_checkpoint(tmp_path):
     assert list((tmp_path / "off" / "checkpoints").glob("step_*")) == []
     assert run_train_cli([*args, f"run_dir={tmp_path / 'on'}"]) == 0  # the default saves at the end
     assert sorted(p.name for p in (tmp_path / "on" / "checkpoints").glob("step_*")) == ["step_00000002"]
+
+
+def test_with_cuda_graphs_each_micro_batch_starts_a_new_graph_generation(monkeypatch):
+    """compile.mode=reduce-overhead replays the compiled regions as CUDA graphs, whose outputs the next
+    replay overwrites unless the step marks where a micro-batch starts; without graphs nothing is marked."""
+    runtime = _runtime(torch.device("cpu"))
+    cfg, state = _state(runtime)
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    micro = _micro_batches(cfg.vocab_size)
+    train_step(state, micro, 0, TOTAL_STEPS, OptimConfig(lr=1e-3), runtime)
+    assert marks == []
+    state.cuda_graphs = True
+    train_step(state, micro, 1, TOTAL_STEPS, OptimConfig(lr=1e-3), runtime)
+    assert len(marks) == len(micro)
