@@ -12,6 +12,7 @@ tensors on a CPU and are left to the GPU test.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 
@@ -220,3 +221,41 @@ def test_with_cuda_graphs_each_micro_batch_starts_a_new_graph_generation(monkeyp
     state.cuda_graphs = True
     train_step(state, micro, 1, TOTAL_STEPS, OptimConfig(lr=1e-3), runtime)
     assert len(marks) == len(micro)
+
+
+def test_under_bf16_autocast_a_step_casts_each_weight_once_and_trains_as_when_casting_per_micro_batch(monkeypatch):
+    """Runtime.step_weight_casts keeps autocast's bf16 copies of the weights over the step's micro-batches:
+    a weight autocast casts for every micro-batch is cast once a step instead, and the step's result (the
+    updated weights) is bitwise what casting per micro-batch gives."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    runtime = Runtime(0, 1, 0, torch.device("cpu"), torch.bfloat16, False)
+
+    class ParameterCasts(TorchDispatchMode):
+        def __init__(self, model):
+            super().__init__()
+            self.names = {p.data_ptr(): name for name, p in model.named_parameters()}
+            self.count: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = self.names.get(args[0].data_ptr()) if func is torch.ops.aten._to_copy.default else None
+            if name is not None:
+                self.count[name] = self.count.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    def step(keep: bool):
+        if not keep:
+            monkeypatch.setattr(Runtime, "step_weight_casts", lambda self: contextlib.nullcontext())
+        cfg, state = _state(runtime)
+        micro = _micro_batches(cfg.vocab_size) * 2  # four micro-batches
+        with ParameterCasts(state.model) as casts:
+            train_step(state, micro, 0, TOTAL_STEPS, OptimConfig(lr=1e-3), runtime)
+        monkeypatch.undo()
+        return casts.count, [p.detach().clone() for p in state.model.parameters()]
+
+    once, kept = step(True)
+    every_micro_batch, fresh = step(False)
+    # the LM head's weight is cast by the fused loss itself, outside autocast's cache
+    by_autocast = [n for n, c in every_micro_batch.items() if c == 4 and n != "lm_head.weight"]
+    assert len(by_autocast) >= 10 and all(once[n] == 1 for n in by_autocast), once
+    assert all(torch.equal(a, b) for a, b in zip(kept, fresh))

@@ -60,6 +60,16 @@ class Runtime:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def step_weight_casts(self) -> contextlib.AbstractContextManager:
+        """Held around a step's micro-batches so that autocast casts each weight once a step, not once a
+        micro-batch: autocast drops its cache of the bf16 weight copies only when the outermost autocast
+        context exits, and this one is that context, itself disabled (the backward passes between the
+        micro-batches' forwards run without autocast, as they would without it). The weights must not
+        change inside it (the optimizer steps after)."""
+        if self.compute_dtype == torch.bfloat16:
+            return torch.autocast(self.device.type, enabled=False)
+        return contextlib.nullcontext()
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()

@@ -213,7 +213,8 @@ def train_step(
         counts = _sum_over_data_parallel(counts, state)
         denom = counts[0].clamp(min=1)
     autocast = runtime.autocast if state.autocast_forward else contextlib.nullcontext
-    with reuse_weight_casts(state.model):  # the experts' bf16 weights once a step, not once a micro-batch
+    # the weights' bf16 copies once a step, not once a micro-batch: the experts' and autocast's
+    with reuse_weight_casts(state.model), runtime.step_weight_casts():
         if state.pipeline is not None:
             lm_sum, extra_sum = _pipeline_micro_batches(state, micro_batches, docs, labels_here, denom, runtime,
                                                         autocast, context)
