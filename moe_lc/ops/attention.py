@@ -105,6 +105,7 @@ __all__ = [
     "QueryPieces",
     "document_mask",
     "padded_length",
+    "padded_lengths",
     "keys_of_row",
     "query_pieces",
     "causal_document_attention",
@@ -138,6 +139,15 @@ def padded_length(n: int) -> int:
     lengths up to 8K tokens, 16 more per doubling above, at most 1/16 above n from 8K on."""
     step = max(PAD_MIN_STEP, 1 << max(n.bit_length() - 1 - PAD_OCTAVE_STEPS, 0))
     return -(-n // step) * step
+
+
+def padded_lengths(up_to: int) -> list[int]:
+    """Every length :func:`padded_length` gives a document of 1 to ``up_to`` tokens, ascending."""
+    lengths, n = [], 1
+    while n <= up_to:
+        lengths.append(padded_length(n))
+        n = lengths[-1] + 1
+    return lengths
 
 
 @dataclass(frozen=True)

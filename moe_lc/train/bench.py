@@ -53,6 +53,7 @@ from moe_lc.metrics.memory import allocator_counters
 from moe_lc.model.accounting import training_flops_per_token
 from moe_lc.parallel.compile import compiled_modules
 from moe_lc.plan.search import HOST_BOUND_SHARE
+from moe_lc.train.attention_plans import describe as describe_prebuild, prebuild_stage_attention_plans
 from moe_lc.train.config import TrainConfig
 from moe_lc.train.curriculum import StagePlan, plan_curriculum, total_steps
 from moe_lc.train.data import build_stage_data
@@ -167,6 +168,9 @@ def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled
     state = build_model_state(cfg.model, cfg.optim, plan.layout, runtime, cfg.seed, plan.checkpointing, plan.seq_len,
                               float8_policy(cfg), cfg.compile)
     data = build_stage_data(plan, cfg.data, cfg.model.vocab_size, cfg.seed, sync=runtime.rank0_first)
+    rows, seconds = prebuild_stage_attention_plans(state.model, plan, runtime)  # not inside a timed step
+    if rows and runtime.is_main:
+        print(f"bench: {describe_prebuild(rows, seconds)}", file=sys.stderr, flush=True)
     count = warmup + steps
     taken_steps = run_steps(state, data, range(plan.start_step, plan.start_step + count), 0, total_steps(plans),
                             cfg.optim, runtime)

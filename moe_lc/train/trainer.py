@@ -39,6 +39,7 @@ from moe_lc.metrics import device_peak_flops, mfu, peak_memory_bytes
 from moe_lc.model.accounting import count_parameters, training_flops_per_token
 from moe_lc.parallel.activation_checkpointing import activation_checkpointing_of, apply_activation_checkpointing
 from moe_lc.parallel.context import ContextShard
+from moe_lc.train.attention_plans import describe as describe_prebuild, prebuild_stage_attention_plans
 from moe_lc.train.bad_steps import BadStepBudget, Spike, SpikeDetector, nonfinite_state
 from moe_lc.train.config import TrainConfig
 from moe_lc.train.curriculum import StagePlan, next_step_to_run, plan_curriculum, stage_at, total_steps
@@ -169,6 +170,10 @@ class Trainer:
                 with self.activity.doing(f"building stage {plan.name}'s data"):
                     data = build_stage_data(plan, cfg.data, cfg.model.vocab_size, cfg.seed,
                                             sync=self.runtime.rank0_first)
+                with self.activity.doing(f"building stage {plan.name}'s attention plans"):
+                    rows, seconds = prebuild_stage_attention_plans(state.model, plan, self.runtime)
+                if rows:
+                    self.log.message(describe_prebuild(rows, seconds))
                 self.log.message(
                     f"stage {plan.name}: seq_len {plan.seq_len}, {plan.sequences_per_step} seq/step "
                     f"({plan.global_batch_tokens} tokens), micro-batch {plan.micro_batch} x {plan.grad_accum} "
