@@ -103,26 +103,10 @@ def test_compiling_lifts_dynamos_recompile_limit(monkeypatch):
     assert compiled_modules(model) == names and names  # what bench reports
 
 
-def test_the_mode_reaches_torch_compile_and_only_reduce_overhead_replays_cuda_graphs(monkeypatch):
-    seen = []
-    monkeypatch.setattr(nn.Module, "compile", lambda self, **kwargs: seen.append(kwargs))
-    for mode, kwargs in (("default", {}), ("reduce-overhead", {"mode": "reduce-overhead"}),
-                         ("max-autotune-no-cudagraphs", {"mode": "max-autotune-no-cudagraphs"})):
-        seen.clear()
-        policy = RegionalCompile(enabled=True, targets=["norms"], mode=mode)
-        names = apply_compile(build_model(tiny(), device="cpu", seed=0), policy)
-        assert seen == [kwargs] * len(names) and names
-        assert policy.cuda_graphs == (mode == "reduce-overhead")
-    assert not RegionalCompile(enabled=False, mode="reduce-overhead").cuda_graphs
-    assert RegionalCompile(enabled="auto", mode="reduce-overhead").resolve("cuda", 1).cuda_graphs
-    assert not RegionalCompile(enabled="auto", mode="reduce-overhead").resolve("cpu", 1).cuda_graphs
-
-
 def test_bad_compile_settings_are_one_line(capsys, tmp_path):
     for args, needle in ((["compile.enabled=true", "layout.tp=2"], "compile.enabled=true with layout.tp=2"),
                          (["compile.targets=[norms,mlp]"], "compile.targets='mlp': use one of"),
-                         (["compile.enabled=sometimes"], "compile.enabled='sometimes': use true, false or auto"),
-                         (["compile.mode=fast"], "compile.mode='fast': use one of default, reduce-overhead")):
+                         (["compile.enabled=sometimes"], "compile.enabled='sometimes': use true, false or auto")):
         assert run_train_cli([*args, "max_steps=1", f"run_dir={tmp_path}"]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and needle in err, err

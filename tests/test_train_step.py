@@ -208,21 +208,6 @@ def test_a_launch_without_the_final_save_leaves_no_checkpoint(tmp_path):
     assert sorted(p.name for p in (tmp_path / "on" / "checkpoints").glob("step_*")) == ["step_00000002"]
 
 
-def test_with_cuda_graphs_each_micro_batch_starts_a_new_graph_generation(monkeypatch):
-    """compile.mode=reduce-overhead replays the compiled regions as CUDA graphs, whose outputs the next
-    replay overwrites unless the step marks where a micro-batch starts; without graphs nothing is marked."""
-    runtime = _runtime(torch.device("cpu"))
-    cfg, state = _state(runtime)
-    marks = []
-    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
-    micro = _micro_batches(cfg.vocab_size)
-    train_step(state, micro, 0, TOTAL_STEPS, OptimConfig(lr=1e-3), runtime)
-    assert marks == []
-    state.cuda_graphs = True
-    train_step(state, micro, 1, TOTAL_STEPS, OptimConfig(lr=1e-3), runtime)
-    assert len(marks) == len(micro)
-
-
 def test_under_bf16_autocast_a_step_casts_each_weight_once_and_trains_as_when_casting_per_micro_batch(monkeypatch):
     """Runtime.step_weight_casts keeps autocast's bf16 copies of the weights over the step's micro-batches:
     a weight autocast casts for every micro-batch is cast once a step instead, and the step's result (the

@@ -63,16 +63,6 @@ class CompileTarget(Choice):
 AUTO = "auto"
 
 
-class CompileMode(Choice):
-    """``torch.compile``'s mode for every compiled region. ``reduce-overhead`` also captures each
-    compiled region (forward and backward) as a CUDA graph replayed with one launch: the kernels run
-    back to back, without the host issuing them one by one."""
-
-    default = "default"
-    reduce_overhead = "reduce-overhead"
-    max_autotune_no_cudagraphs = "max-autotune-no-cudagraphs"
-
-
 def _parse_enabled(value: Any) -> bool | str:
     if isinstance(value, bool):
         return value
@@ -96,18 +86,10 @@ class RegionalCompile:
 
     enabled: Any = False  # true | false | auto (Any: OmegaConf has no bool-or-string type)
     targets: List[str] = field(default_factory=lambda: ["norms", "attn_res", "float8", "moe"])
-    mode: str = "default"
 
     def __post_init__(self) -> None:
         self.enabled = _parse_enabled(self.enabled)
         self.targets = [parse_choice(CompileTarget, "compile.targets", t) for t in self.targets]
-        self.mode = parse_choice(CompileMode, "compile.mode", self.mode)
-
-    @property
-    def cuda_graphs(self) -> bool:
-        """Whether the compiled regions replay as CUDA graphs (the trainer then marks each
-        micro-batch's start, after which a graph may overwrite the previous one's outputs)."""
-        return self.enabled is True and self.mode == CompileMode.reduce_overhead
 
     def resolve(self, device_type: str, world_size: int, tp: int = 1) -> "RegionalCompile":
         """This policy with ``auto`` decided for the run's device, world size and tp degree."""
@@ -160,7 +142,7 @@ def apply_compile(model: nn.Module, policy: RegionalCompile, tp: int = 1, world_
         module = model.get_submodule(name)
         if isinstance(module, LatentMoE):
             _keep_experts_out_of_the_graph(module)
-        module.compile(**({} if policy.mode == CompileMode.default else {"mode": str(policy.mode)}))
+        module.compile()
     return names
 
 

@@ -40,7 +40,6 @@ class ModelState:
     balance_group: Optional[Any]  # process group for ExpertBalancer.update
     autocast_forward: bool  # False when FSDP already computes in bf16
     pipeline: Optional[Any] = None  # moe_lc.parallel.pipeline_runtime.Pipeline when pp > 1
-    cuda_graphs: bool = False  # compiled regions replay as CUDA graphs (``compile.mode=reduce-overhead``)
 
     @property
     def parallel(self) -> bool:
@@ -148,8 +147,7 @@ def build_model_state(
             apply_compile(model, compiled)
         apply_activation_checkpointing(model, checkpointing)
         model.train()
-        graphs = compiled is not None and compiled.resolve(runtime.device.type, 1).cuda_graphs
-        return ModelState(model, build_optimizer(model, optim_cfg), layout, None, 0, 1, None, True, cuda_graphs=graphs)
+        return ModelState(model, build_optimizer(model, optim_cfg), layout, None, 0, 1, None, True)
 
     from moe_lc import parallel
 
@@ -167,5 +165,4 @@ def build_model_state(
     return ModelState(
         model, optimizer, layout, mesh, dp_rank, dp_size, parallel.balance_group(mesh), autocast_forward=not fsdp_bf16,
         pipeline=parallel.parallel_context(model).pipeline,
-        cuda_graphs=compiled is not None and compiled.resolve(runtime.device.type, runtime.world_size, layout.tp).cuda_graphs,
     )

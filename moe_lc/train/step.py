@@ -285,8 +285,6 @@ def _micro_batches(state: ModelState, micro_batches: Sequence, docs: list[Docume
             lm_sum += lm.detach().double() * denom
             extra_sum += extra.detach().double() * denom
             continue
-        if state.cuda_graphs:  # the last micro-batch's graph outputs are consumed: they may be overwritten
-            torch.compiler.cudagraph_mark_step_begin()
         with autocast():
             out = model(input_ids, labels=targets, docs=bounds, return_logits=False)
         if n == 0:  # nothing to learn (all padding); backward anyway so that data-parallel hooks fire.
