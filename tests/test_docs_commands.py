@@ -155,6 +155,13 @@ COMMANDS: dict[str, object] = {
         "--warmup 3 --profile --variant mb4= --variant mb1=\"curriculum.stages.ctx8k.micro_batch=1\" "
         "--variant mb2=\"curriculum.stages.ctx8k.micro_batch=2\"",
         "moe-lc bench proxy-8k curriculum.stages.ctx8k.global_batch_tokens=131072 --steps 4 --warmup 3 --trace DIR",
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 1 --steps 4 --warmup 3 --variant "
+        "before=@.base --variant after=",
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=11 --rounds 1 --steps 5 --warmup 3 --variant "
+        "before=@.base --variant after= --variant expandable=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+        "python benchmarks/bench_ab.py proxy-8k curriculum.stages.ctx8k.global_batch_tokens=131072 "
+        "curriculum.stages.ctx8k.micro_batch=1 --rounds 1 --steps 4 --warmup 3 --variant none= --variant "
+        "full=\"+curriculum.stages.ctx8k.activation_checkpointing.mode=full\"",
         "moe-lc bench proxy-64k curriculum.stages.ctx64k.global_batch_tokens=65536 --steps 2 --warmup 2 --trace DIR",
         "moe-lc bench proxy-8k compile.enabled=false curriculum.stages.ctx8k.global_batch_tokens=131072 "
         "curriculum.stages.ctx8k.micro_batch=4 --steps 3 --warmup 3",

@@ -77,9 +77,12 @@ DEFAULT_MARGIN = 0.10  # assumed: memory kept free for the CUDA context, NCCL an
 # proxy (9 layers) at one and two 8K rows, 110 and 120 ms (12.2 and 13.3 ms a layer); docs/performance.md §12.14.
 # Where a micro-batch's kernels take less, the GPU waits for the host.
 HOST_LAYER_SECONDS = 0.013
-# the forward's share of a layer's host time, which a recompute runs again: measured here on a KDA layer at
-# k3-small's shape (benchmarks/host_time_kda.py: 3.82 of 9.12 ms, docs/performance.md §12.3), the others not
-HOST_FORWARD_SHARE = 0.42
+# what a checkpointed layer adds to its host time, as a share of it: the forward again and the checkpoint's own
+# bookkeeping (saved-tensor hooks, RNG and autocast state). Measured here on an H100: the proxy at one 8K row a
+# micro-batch, every layer recomputed, took 1.63x the step with none (3.328 against 2.043 s, same call, both
+# bound by the host; docs/performance.md §12.15). The forward alone is 0.42 of a KDA layer's host time
+# (benchmarks/host_time_kda.py, §12.3): the rest is the checkpoint's. Selective recompute not measured.
+HOST_RECOMPUTE_SHARE = 0.63
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ TP, EP, CP and PP communication is exposed (on the critical path).
 with t_micro = max(t_compute + exposed communication, t_host), m micro-batches per data-parallel rank
 (1F1B: (pp - 1) micro-batch slots are the bubble). t_host is what the host needs to issue a
 micro-batch: a measured time per decoder layer (`moe_lc.plan.hardware.HOST_LAYER_SECONDS`, whatever
-the layer's width), plus the forward's share again for a checkpointed layer. Small micro-batches (one
+the layer's width), and a measured share more for a checkpointed layer (its recompute). Small micro-batches (one
 8K row of a narrow model) are bound by it: the GPU waits, which the ``host`` term counts.
 
 The optimizer step reads and writes its state at the fused optimizer's measured share of the HBM
@@ -69,7 +69,7 @@ from moe_lc.parallel.activation_memory import (ExecutionPath, LayerActivations, 
                                                sources_before_layer)
 from moe_lc.parallel.compile import RegionalCompile
 from moe_lc.parallel.layout import ParallelLayout
-from moe_lc.plan.hardware import HOST_FORWARD_SHARE, Cluster
+from moe_lc.plan.hardware import HOST_RECOMPUTE_SHARE, Cluster
 from moe_lc.plan.memory import Degrees, StageShape
 from moe_lc.plan.model_facts import ModelFacts, PipelineStage, Share
 
@@ -155,7 +155,7 @@ class _StageWork:
     mla_passes: int  # MLA layer passes (each: one latent gather or its reduce-scatter under cp)
     kda_passes: int
     boundary_sources: int  # residual stream tensors sent to the next stage (or back to the previous)
-    host_layers: float  # decoder layers the host issues per micro-batch, a recompute's forward share included
+    host_layers: float  # decoder layers the host issues per micro-batch, a recompute's share included
 
 
 @dataclass
@@ -277,7 +277,7 @@ class TimeModel:
 
         seconds = recompute = host_layers = 0.0
         for i in layers:
-            host_layers += 1 + (HOST_FORWARD_SHARE if policy.checkpoints(i) else 0.0)
+            host_layers += 1 + (HOST_RECOMPUTE_SHARE if policy.checkpoints(i) else 0.0)
             flops = self.mtp_flops if i == mtp else self.layer_flops[i]
             layer = self._seconds(flops) + self._memory_seconds(kept[i].none)
             seconds += layer
