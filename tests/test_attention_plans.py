@@ -67,3 +67,28 @@ def test_nothing_runs_on_a_cpu_or_under_context_parallelism():
     runtime = Runtime(0, 1, 0, torch.device("cpu"), torch.float32, False)
     assert prebuild_attention_plans(model, 8192, 16384, runtime) == (0, 0.0)
     assert prebuild_attention_plans(model, 8192, 16384, runtime, context_parallel=True) == (0, 0.0)
+
+
+def test_the_trainer_builds_each_stage_s_plans_before_its_first_step_and_says_so(monkeypatch, tmp_path):
+    """Wiring: every stage that trains asks for its plans with its own plan (seq_len, micro-batch), once and
+    before its first step, and train.log says what ran right after the stage's line."""
+    from moe_lc.train import trainer
+    from moe_lc.train.main import run_train_cli
+
+    asked = []
+
+    def fake(model, plan, runtime):
+        asked.append((plan.name, plan.seq_len, plan.micro_batch))
+        return 16, 1.25
+
+    monkeypatch.setattr(trainer, "prebuild_stage_attention_plans", fake)
+    args = ["recipe=smoke", f"run_dir={tmp_path}", "eval.sequences=0", "eval.passkey_documents=0", "logging.progress=none",
+            "logging.tensorboard=false", "report.at_end=false", "threads=1", "checkpoint.at_stage_end=false",
+            "checkpoint.at_end=false", *(f"curriculum.stages.{name}.steps=1" for name in ("ctx256", "ctx1k", "ctx4k", "ctx16k"))]
+    assert run_train_cli(args) == 0
+    lines = [line.split(" ", 2)[2] for line in (tmp_path / "train.log").read_text().splitlines()]
+    stage_lines = [i for i, line in enumerate(lines) if line.startswith("stage ")]
+    assert len(stage_lines) == len(asked) == 4  # the smoke curriculum's stages, each once
+    for i, (name, seq_len, micro_batch) in zip(stage_lines, asked):
+        assert lines[i].startswith(f"stage {name}: seq_len {seq_len},") and f"micro-batch {micro_batch} x" in lines[i]
+        assert lines[i + 1] == "attention: cuDNN plans for 16 padded document lengths built before the first step (1.2s)"

@@ -170,15 +170,15 @@ class Trainer:
                 with self.activity.doing(f"building stage {plan.name}'s data"):
                     data = build_stage_data(plan, cfg.data, cfg.model.vocab_size, cfg.seed,
                                             sync=self.runtime.rank0_first)
-                with self.activity.doing(f"building stage {plan.name}'s attention plans"):
-                    rows, seconds = prebuild_stage_attention_plans(state.model, plan, self.runtime)
-                if rows:
-                    self.log.message(describe_prebuild(rows, seconds))
                 self.log.message(
                     f"stage {plan.name}: seq_len {plan.seq_len}, {plan.sequences_per_step} seq/step "
                     f"({plan.global_batch_tokens} tokens), micro-batch {plan.micro_batch} x {plan.grad_accum} "
                     f"accumulation, steps {plan.start_step}..{plan.end_step - 1}, data {data.dataset!r}"
                 )
+                with self.activity.doing(f"building stage {plan.name}'s attention plans"):
+                    rows, seconds = prebuild_stage_attention_plans(state.model, plan, self.runtime)
+                if rows:
+                    self.log.message(describe_prebuild(rows, seconds))
                 launch_train_time += self._train_stage(state, plan, data, position, summary)
                 stage_done = position.step >= plan.end_step
                 if stage_done and cfg.eval.at_stage_end and (cfg.eval.sequences or cfg.eval.passkey_documents):
