@@ -6,7 +6,11 @@ from L2) and writes h once; it keeps only the sources (which the residual stream
 and the mixture weights and inverse rms, fp32 [S, N]. Backward: one kernel reads the output
 gradient and every source twice, writes every source gradient once and per-program partial sums
 of the query's and the gain's [D] gradient, summed here in torch (deterministic, no atomics).
-The unfused composition makes a dozen passes over [tokens, D] per source each way. Triton is
+The unfused composition makes a dozen passes over [tokens, D] per source each way. With
+``out_norm`` the same kernels also apply the RMSNorm that reads the mixture (the sublayer's
+pre-norm): the forward writes the normalised mixture in place of h (re-reading h from L2) and keeps
+one fp32 inverse rms per token; the backward recomputes h in its tiles instead of reading it, so
+the unfused norm's passes over h and its gradient, and the stored h, are gone. Triton is
 imported on first use, so this module imports without it (moe-lc's ``depth_mixture`` op is the
 public entry point: it checks the inputs and picks these kernels or its PyTorch reference).
 """
@@ -85,8 +89,12 @@ class GradientSum:
 
 
 class _DepthMixtureFunction(torch.autograd.Function):
+    """The mixture, or with ``out_gain`` the pre-norm of the mixture: out_gain * h^ / rms(h^) (h^ the
+    mixture rounded to the output dtype), where h itself is neither written to memory nor kept."""
+
     @staticmethod
-    def forward(ctx, query: Tensor, norm_weight: Tensor, eps: float, sums: Optional[tuple], *sources: Tensor) -> Tensor:
+    def forward(ctx, query: Tensor, norm_weight: Tensor, eps: float, sums: Optional[tuple],
+                out_gain: Optional[Tensor], out_eps: float, *sources: Tensor) -> Tensor:
         from moe_lc_kernels import depth_mixture_triton as kt
 
         shape, D, S = sources[0].shape, sources[0].shape[-1], len(sources)
@@ -98,11 +106,14 @@ class _DepthMixtureFunction(torch.autograd.Function):
         h = torch.empty(shape, device=device, dtype=out_dtype)
         a = torch.empty(S, N, device=device, dtype=torch.float32)
         inv_rms = torch.empty_like(a)
+        norm = out_gain is not None
+        rho = torch.empty(N, device=device, dtype=torch.float32) if norm else None
         programs, rows, block_d, warps = _launch_shape(N, D, _row_bytes(D, sources), device, "fwd")
+        # without NORM the kernel never touches gamma and rho: any tensor stands in for them
         kt.depth_mixture_fwd_kernel[(programs,)](
-            tuple(sources), _folded_query(query, norm_weight), h, a, inv_rms, N, D, eps,
-            S=S, ROWS=rows, BLOCK_D=block_d, num_warps=warps)
-        ctx.save_for_backward(query, norm_weight, a, inv_rms, *sources)
+            tuple(sources), _folded_query(query, norm_weight), h, a, inv_rms, out_gain if norm else a,
+            rho if norm else a, N, D, eps, out_eps, S=S, ROWS=rows, BLOCK_D=block_d, NORM=norm, num_warps=warps)
+        ctx.save_for_backward(query, norm_weight, a, inv_rms, out_gain if norm else None, rho, *sources)
         ctx.sums = sums
         ctx.hands_over = None if sums is None else tuple(total.claim() for total in sums)
         return h
@@ -111,7 +122,7 @@ class _DepthMixtureFunction(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         from moe_lc_kernels import depth_mixture_triton as kt
 
-        query, norm_weight, a, inv_rms, *sources = ctx.saved_tensors
+        query, norm_weight, a, inv_rms, out_gain, rho, *sources = ctx.saved_tensors
         S, N = a.shape
         D = sources[0].shape[-1]
         grad = grad.contiguous()
@@ -121,16 +132,20 @@ class _DepthMixtureFunction(torch.autograd.Function):
         add_to = sum(1 << i for i, t in enumerate(totals) if t is not None)
         programs, rows, block_d, warps = _launch_shape(N, D, _row_bytes(D, [grad, *sources]), grad.device, "bwd")
         part = torch.zeros(programs, D, device=grad.device, dtype=torch.float32)
+        norm = out_gain is not None
+        part2 = torch.zeros(programs, D, device=grad.device, dtype=torch.float32) if norm else part
         kt.depth_mixture_bwd_kernel[(programs,)](
-            tuple(sources), dsources, grad, _folded_query(query, norm_weight), a, inv_rms, part, N, D,
-            S=S, ROWS=rows, BLOCK_D=block_d, ADD_TO=add_to, num_warps=warps)
+            tuple(sources), dsources, grad, _folded_query(query, norm_weight), a, inv_rms, part,
+            out_gain if norm else part, rho if norm else a, part2, N, D,
+            S=S, ROWS=rows, BLOCK_D=block_d, ADD_TO=add_to, NORM=norm, num_warps=warps)
         weighted = part.sum(0)  # sum over tokens and sources of dl_i u_i
         d_query = (weighted * norm_weight.float()).to(query.dtype) if ctx.needs_input_grad[0] else None
         d_norm = (weighted * query.float()).to(norm_weight.dtype) if ctx.needs_input_grad[1] else None
+        d_gain = part2.sum(0).to(out_gain.dtype) if norm and ctx.needs_input_grad[4] else None
         grads = []
         for i, dv in enumerate(dsources):
             total = sums[i]
-            if not ctx.needs_input_grad[4 + i]:
+            if not ctx.needs_input_grad[6 + i]:
                 grads.append(None)
             elif total is None or ctx.hands_over[i]:  # the sum, complete: autograd takes it from here
                 if total is not None:
@@ -139,7 +154,7 @@ class _DepthMixtureFunction(torch.autograd.Function):
             else:  # a later reader: its share stays in the sum for the first reader to hand over
                 total.total = dv
                 grads.append(None)
-        return d_query, d_norm, None, None, *grads
+        return d_query, d_norm, None, None, d_gain, None, *grads
 
 
 def _folded_query(query: Tensor, norm_weight: Tensor) -> Tensor:
@@ -148,12 +163,16 @@ def _folded_query(query: Tensor, norm_weight: Tensor) -> Tensor:
 
 
 def depth_mixture_triton(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: float,
-                         sums: Optional[Sequence[GradientSum]] = None) -> Tensor:
+                         sums: Optional[Sequence[GradientSum]] = None,
+                         out_norm: Optional[tuple[Tensor, float]] = None) -> Tensor:
     """sum_i a_i v_i, a = softmax_i(query . (norm_weight * v_i / rms(v_i))), over the last dim.
 
     ``sums``: one :class:`GradientSum` per source, shared by every mixture that reads that source
     (the residual stream keeps them), so that the backward kernels sum each source's gradient
     themselves; None: every mixture returns its own share to autograd.
+    ``out_norm``: (gain [D], eps) of an RMSNorm applied to the mixture in the same kernels (the
+    sublayer's pre-norm): the result is gain * h / rms(h), h rounded to the output dtype first as a
+    stored h would be, and differentiable in the gain too; h is never written or kept.
 
     Sources of one shape [..., D] and device, each fp32/bf16/fp16 (they may differ); output in
     their promoted dtype, each source's gradient in its own dtype; fp32 math. Differentiable in
@@ -168,14 +187,16 @@ def depth_mixture_triton(sources: list[Tensor], query: Tensor, norm_weight: Tens
             raise ValueError(f"depth_mixture_triton: sources must share shape and device and be fp32/bf16/fp16, "
                              f"got {tuple(v.shape)} {v.dtype} {v.device} next to {tuple(first.shape)} {first.device}")
     D = first.shape[-1]
-    for p in (query, norm_weight):
+    out_gain, out_eps = out_norm if out_norm is not None else (None, 0.0)
+    for p in (query, norm_weight) if out_gain is None else (query, norm_weight, out_gain):
         if p.shape != (D,) or p.device != first.device or p.dtype not in DTYPES:
-            raise ValueError(f"depth_mixture_triton: query and norm_weight must be fp32/bf16/fp16 [{D}] on "
-                             f"{first.device}, got {p.dtype} {tuple(p.shape)} on {p.device}")
+            raise ValueError(f"depth_mixture_triton: query, norm_weight and the out_norm gain must be fp32/bf16/fp16 "
+                             f"[{D}] on {first.device}, got {p.dtype} {tuple(p.shape)} on {p.device}")
     if first.numel() == 0:  # nothing to launch: an empty mixture that autograd connects to every input
-        return sum(v * (query * norm_weight).sum() for v in sources)
+        scale = (query * norm_weight).sum() * (1 if out_gain is None else out_gain.sum())
+        return sum(v * scale for v in sources)
     # contiguous() copies only a source whose rows are not dense [N, D] (the residual stream's always are)
     if sums is not None and len(sums) != len(sources):
         raise ValueError(f"depth_mixture_triton: {len(sums)} gradient sums for {len(sources)} sources; pass one per source")
     return _DepthMixtureFunction.apply(query, norm_weight, float(eps), None if sums is None else tuple(sums),
-                                       *(v.contiguous() for v in sources))
+                                       out_gain, float(out_eps), *(v.contiguous() for v in sources))

@@ -4,6 +4,14 @@
 
 with w = g * query (the norm's gain folded into the query on the host: (g v r) . q = r (g q) . v).
 
+With NORM the kernels also apply the sublayer's pre-norm that reads the mixture (one fewer pass over
+h each way, and h is never kept): y = gamma * h^ rho, h^ = h rounded to the output dtype (what an
+RMSNorm reading a stored h would see), rho = 1 / sqrt(mean(h^2) + eps2), stored fp32 [N]. Backward,
+for the output gradient Y: d gamma = sum over tokens of Y h^ rho, and the mixture's gradient
+G = rho (gamma Y) - h^ rho^3 c / D with c = (gamma Y) . h^, never stored: h^ is recomputed from the
+sources and a in each tile, so da_i = G . v_i = rho P_i - rho^3 (c / D) Q_i with P_i = (gamma Y) . v_i
+and Q_i = h^ . v_i, all three accumulated in the first pass.
+
 Layout: every source v_i, the mixture h, its gradient and the source gradients are contiguous
 [N, D] rows (N tokens); the mixture weights a and inverse rms r are fp32 [S, N]. A program owns
 ROWS consecutive rows and walks D in BLOCK_D tiles, so any width fits. Per-source per-row scalars
@@ -85,9 +93,65 @@ def _source_dots(srcs, grad, w, base, row_in, D, WITH_GRAD: tl.constexpr, S: tl.
 
 
 @triton.jit
-def depth_mixture_fwd_kernel(srcs, w, h, a_out, r_out, N, D, eps, S: tl.constexpr, ROWS: tl.constexpr,
-                             BLOCK_D: tl.constexpr):
-    """h = sum_i a_i v_i in h's dtype; a and r stored for the backward (fp32 [S, N]).
+def _mixed_tile(vs, a, S: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """h^ of a tile: sum_i a_i v_i in the forward's order, rounded to the output dtype, back in fp32."""
+    acc = tl.zeros_like(vs[0])
+    for i in tl.static_range(S):
+        acc += a[i][:, None] * vs[i]
+    return acc.to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _normed_source_dots(srcs, grad, w, gamma, a, rho, part2, base, row_in, D, S: tl.constexpr, ROWS: tl.constexpr,
+                        BLOCK_D: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """The first backward pass under NORM: tuples of S [ROWS] vectors da_i = G . v_i and w . v_i, and
+    c = (gamma Y) . h^ [ROWS], with G = rho (gamma Y) - rho^3 (c / D) h^ (module docstring); gamma's
+    gradient Y h^ rho summed over this block's rows into this program's row of ``part2``."""
+    part2_row = part2 + tl.program_id(0).to(tl.int64) * D
+    p = ()
+    q = ()
+    dot = ()
+    for i in tl.static_range(S):
+        p = p + (tl.zeros([ROWS], dtype=tl.float32),)
+        q = q + (tl.zeros([ROWS], dtype=tl.float32),)
+        dot = dot + (tl.zeros([ROWS], dtype=tl.float32),)
+    c = tl.zeros([ROWS], dtype=tl.float32)
+    for k in range(0, D, BLOCK_D):
+        cols = k + tl.arange(0, BLOCK_D)
+        col_in = cols < D
+        mask = row_in[:, None] & col_in[None, :]
+        wt = tl.load(w + cols, mask=col_in, other=0.0)[None, :]
+        gam = tl.load(gamma + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
+        y_grad = _load_tile(grad, base, cols, mask)
+        gy = gam * y_grad
+        vs = ()
+        for i in tl.static_range(S):
+            vs = vs + (_load_tile(srcs[i], base, cols, mask),)
+        h_hat = _mixed_tile(vs, a, S, OUT_DTYPE)
+        c += tl.sum(gy * h_hat, axis=1)
+        p_k = ()
+        q_k = ()
+        dot_k = ()
+        for i in tl.static_range(S):
+            p_k = p_k + (p[i] + tl.sum(gy * vs[i], axis=1),)
+            q_k = q_k + (q[i] + tl.sum(h_hat * vs[i], axis=1),)
+            dot_k = dot_k + (dot[i] + tl.sum(vs[i] * wt, axis=1),)
+        p = p_k
+        q = q_k
+        dot = dot_k
+        total = tl.load(part2_row + cols, mask=col_in, other=0.0) + tl.sum(y_grad * h_hat * rho[:, None], axis=0)
+        tl.store(part2_row + cols, total, mask=col_in)
+    da = ()
+    for i in tl.static_range(S):
+        da = da + (rho * p[i] - rho * rho * rho * (c / D) * q[i],)
+    return da, dot, c
+
+
+@triton.jit
+def depth_mixture_fwd_kernel(srcs, w, h, a_out, r_out, gamma, rho_out, N, D, eps, eps2, S: tl.constexpr,
+                             ROWS: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
+    """h = sum_i a_i v_i in h's dtype; a and r stored for the backward (fp32 [S, N]). With NORM, ``h``
+    receives gamma * h^ rho instead (module docstring) and rho goes to ``rho_out`` (fp32 [N]).
 
     Programs stride over the row blocks: the grid, not the GPU's occupancy, sets how many rows are
     in flight between their two reads (what has to stay in L2)."""
@@ -115,18 +179,35 @@ def depth_mixture_fwd_kernel(srcs, w, h, a_out, r_out, N, D, eps, S: tl.constexp
             tl.store(a_out + i * N + rows, a[i], mask=row_in)
             tl.store(r_out + i * N + rows, inv_rms[i], mask=row_in)
         # pass 2: the sources again (from L2: this program read them a moment ago), mixed tile by tile
+        square_h = tl.zeros([ROWS], dtype=tl.float32)
         for k in range(0, D, BLOCK_D):
             cols = k + tl.arange(0, BLOCK_D)
             mask = row_in[:, None] & (cols < D)[None, :]
             acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
             for i in tl.static_range(S):
                 acc += a[i][:, None] * _load_tile(srcs[i], base, cols, mask)
-            tl.store(h + base[:, None] + cols[None, :], acc.to(h.dtype.element_ty), mask=mask)
+            stored = acc.to(h.dtype.element_ty)
+            tl.store(h + base[:, None] + cols[None, :], stored, mask=mask)
+            if NORM:
+                rounded = stored.to(tl.float32)
+                square_h += tl.sum(rounded * rounded, axis=1)
+        if NORM:
+            # pass 3: h^ back from L2 (just written by these threads), normalised in place
+            rho = 1.0 / tl.sqrt_rn(square_h / D + eps2)
+            tl.store(rho_out + rows, rho, mask=row_in)
+            tl.debug_barrier()
+            for k in range(0, D, BLOCK_D):
+                cols = k + tl.arange(0, BLOCK_D)
+                col_in = cols < D
+                mask = row_in[:, None] & col_in[None, :]
+                gam = tl.load(gamma + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
+                y = _load_tile(h, base, cols, mask) * rho[:, None] * gam
+                tl.store(h + base[:, None] + cols[None, :], y.to(h.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def depth_mixture_bwd_kernel(srcs, dsrcs, grad, w, a_in, r_in, part, N, D, S: tl.constexpr, ROWS: tl.constexpr,
-                             BLOCK_D: tl.constexpr, ADD_TO: tl.constexpr):
+def depth_mixture_bwd_kernel(srcs, dsrcs, grad, w, a_in, r_in, part, gamma, rho_in, part2, N, D, S: tl.constexpr,
+                             ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ADD_TO: tl.constexpr, NORM: tl.constexpr):
     """dv_i = a_i grad + r_i dl_i (w - u_i logit_i / D) in v_i's dtype, u_i = r_i v_i, added to what
     ``dsrcs[i]`` holds where bit i of ``ADD_TO`` is set (one rounding: the sum is taken in fp32), and this
     program's share of sum over tokens and sources of dl_i u_i into its row of ``part`` (fp32
@@ -135,16 +216,26 @@ def depth_mixture_bwd_kernel(srcs, dsrcs, grad, w, a_in, r_in, part, N, D, S: tl
     Programs stride over the row blocks as in the forward, so ``part`` has one row per program, not
     per block. Each program adds to its own row only (deterministic, no atomics); a barrier orders
     one block's read-modify-write of it after the previous block's.
+
+    With NORM, ``grad`` is the normalised output's gradient Y, the mixture's gradient G is recomputed
+    in each tile from Y, the sources and a (module docstring), and this program's share of gamma's
+    gradient, sum over tokens of Y h^ rho, goes into its row of ``part2`` (fp32 [programs, D], zeroed).
     """
     part_row = part + tl.program_id(0).to(tl.int64) * D
     for blk in range(tl.program_id(0), tl.cdiv(N, ROWS), tl.num_programs(0)):
         rows, row_in, base = _row_block(blk, N, D, ROWS)
-        # pass 1: da_i = grad . v_i and w . v_i (the logit before its 1/rms), then through the softmax
-        da, dot = _source_dots(srcs, grad, w, base, row_in, D, True, S, ROWS, BLOCK_D)
         a = ()
-        mean = tl.zeros([ROWS], dtype=tl.float32)
         for i in tl.static_range(S):
             a = a + (tl.load(a_in + i * N + rows, mask=row_in, other=0.0),)
+        if NORM:
+            rho = tl.load(rho_in + rows, mask=row_in, other=0.0)
+            da, dot, c_norm = _normed_source_dots(srcs, grad, w, gamma, a, rho, part2, base, row_in, D, S, ROWS,
+                                                  BLOCK_D, grad.dtype.element_ty)
+        else:
+            # pass 1: da_i = grad . v_i and w . v_i (the logit before its 1/rms), then through the softmax
+            da, dot = _source_dots(srcs, grad, w, base, row_in, D, True, S, ROWS, BLOCK_D)
+        mean = tl.zeros([ROWS], dtype=tl.float32)
+        for i in tl.static_range(S):
             mean += a[i] * da[i]
         w_coef = ()  # r_i dl_i: of w in dv_i, and of v_i in the query's gradient (dl_i u_i = r_i dl_i v_i)
         v_coef = ()  # r_i dl_i logit_i / D times u_i = r_i v_i, logit_i = r_i (w . v_i)
@@ -162,8 +253,15 @@ def depth_mixture_bwd_kernel(srcs, dsrcs, grad, w, a_in, r_in, part, N, D, S: tl
             g = _load_tile(grad, base, cols, mask)
             wt = tl.load(w + cols, mask=col_in, other=0.0)[None, :]
             weighted = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+            vs = ()
             for i in tl.static_range(S):
-                v = _load_tile(srcs[i], base, cols, mask)
+                vs = vs + (_load_tile(srcs[i], base, cols, mask),)
+            if NORM:  # G from Y: rho (gamma Y) - rho^3 (c / D) h^, h^ recomputed as the forward rounded it
+                gam = tl.load(gamma + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
+                h_hat = _mixed_tile(vs, a, S, grad.dtype.element_ty)
+                g = rho[:, None] * (gam * g) - (rho * rho * rho * c_norm / D)[:, None] * h_hat
+            for i in tl.static_range(S):
+                v = vs[i]
                 dv = a[i][:, None] * g + w_coef[i][:, None] * wt - v_coef[i][:, None] * v
                 if (ADD_TO >> i) & 1:
                     dv += _load_tile(dsrcs[i], base, cols, mask)

@@ -74,6 +74,9 @@ class AttnResConfig:
     mode: str = "block"  # none | block | full
     block_size: int = 12  # decoder layers per block (mode=block)
     backend: str = "auto"  # the depth mixture: auto (Triton on CUDA) | torch | triton (moe_lc.ops.depth_mixture)
+    # The sublayers' pre-norms applied by the mixture's Triton kernels (h never stored); where the
+    # mixture runs its PyTorch reference, or its parameters are DTensors, the norm runs on its own.
+    fused_norm: bool = False
 
 
 @dataclass

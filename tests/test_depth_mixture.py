@@ -46,6 +46,7 @@ import moe_lc.model.attn_res as attn_res_module  # noqa: E402
 import moe_lc_kernels.depth_mixture as kernel_module  # noqa: E402
 from moe_lc.model.attn_res import DepthMixer  # noqa: E402
 from moe_lc.model.attn_res import ResidualStream  # noqa: E402
+from moe_lc.model.norm import GatedRMSNorm, RMSNorm  # noqa: E402
 from moe_lc.ops.depth_mixture import GradientSum, depth_mixture, resolve_backend, triton_unsupported_reason  # noqa: E402
 from moe_lc_kernels import triton_available  # noqa: E402
 from moe_lc_kernels.depth_mixture import MAX_SOURCES  # noqa: E402
@@ -69,10 +70,11 @@ def small_blocks(monkeypatch):
                                                       bwd_block_d=16, bwd_warps=4, l2_budget=0, programs=2))
 
 
-def make_inputs(dtypes: list[torch.dtype], query_scale: float = 0.3, seed: int = 0):
-    """Sources of varied scales (source 1 with rms 1e-3, where eps matters), query, gain and output gradient."""
+def make_inputs(dtypes: list[torch.dtype], query_scale: float = 0.3, seed: int = 0, tiny_source: bool = True):
+    """Sources of varied scales (source 1 with rms 1e-3, where eps matters, unless not ``tiny_source``),
+    query, gain and output gradient."""
     gen = torch.Generator().manual_seed(seed)
-    scales = [1e-3 if i == 1 else 0.5 + i for i in range(len(dtypes))]
+    scales = [1e-3 if i == 1 and tiny_source else 0.5 + i for i in range(len(dtypes))]
     sources = [(torch.randn(B, T, D, generator=gen, dtype=F64) * s).to(dt).to(DEVICE).requires_grad_()
                for s, dt in zip(scales, dtypes)]
     query = (torch.randn(D, generator=gen, dtype=F64) * query_scale).float().to(DEVICE).requires_grad_()
@@ -233,9 +235,9 @@ def test_the_depth_mixer_goes_through_the_dispatch(monkeypatch, small_blocks):
     """DepthMixer calls ``depth_mixture`` with its backend; through either one it matches float64."""
     calls = []
 
-    def spy(sources, query, norm_weight, eps, backend="auto", sums=None):
+    def spy(sources, query, norm_weight, eps, backend="auto", sums=None, out_norm=None):
         calls.append(backend)
-        return depth_mixture(sources, query, norm_weight, eps, backend, sums)
+        return depth_mixture(sources, query, norm_weight, eps, backend, sums, out_norm)
 
     monkeypatch.setattr(attn_res_module, "depth_mixture", spy)
     for backend in ("torch", "triton"):
@@ -326,12 +328,14 @@ def test_the_stream_keeps_one_gradient_sum_per_source_and_a_new_one_per_new_tens
     assert len(full.sums) == 2 and ResidualStream.start("none", x[0]).sums == ()
 
 
+@pytest.mark.parametrize("fused_norm", [False, True], ids=["norms-apart", "fused-norms"])
 @pytest.mark.parametrize("mode", ["none", "full", "selective"])
-def test_the_model_with_shared_gradient_sums_has_the_reference_gradients(mode):
+def test_the_model_with_shared_gradient_sums_has_the_reference_gradients(mode, fused_norm):
     """The tiny model (block AttnRes, blocks of 2 layers: the embedding and the first block sum have
     several readers each) on the fused mixtures, whose backward sums each source's gradient in its
     kernels, against the same model on the reference mixtures, under each checkpointing policy
-    (the recompute runs the mixtures again). Both in fp32: the mixtures round in other orders, by
+    (the recompute runs the mixtures again), with the pre-norms apart or in the mixtures' kernels
+    (``attn_res.fused_norm``). Both in fp32: the mixtures round in other orders, by
     about (d + S + 16) eps32 ~ 1e-5 of each gradient's magnitude; the bound leaves a factor 10,
     where a source that lost a reader's share is off by the share itself."""
     from moe_lc.model.init import build_model
@@ -340,8 +344,12 @@ def test_the_model_with_shared_gradient_sums_has_the_reference_gradients(mode):
 
     def grads(backend: str) -> tuple[torch.Tensor, dict]:
         cfg = get_preset("tiny")
-        cfg.attn_res.backend, cfg.kda.backend = backend, "torch"
+        cfg.attn_res.backend, cfg.kda.backend, cfg.attn_res.fused_norm = backend, "torch", fused_norm
         model = build_model(cfg.validate(), DEVICE, seed=0)
+        width = cfg.d_model
+        fusing = [m.fuses_norm(RMSNorm(width).to(DEVICE), [torch.zeros(1, 1, width, device=DEVICE)] * 2)
+                  for m in model.modules() if isinstance(m, DepthMixer)]
+        assert fusing and all(f == (fused_norm and backend == "triton") for f in fusing)
         apply_activation_checkpointing(model, ActivationCheckpointing(mode))
         model.train()
         gen = torch.Generator().manual_seed(1)
@@ -356,3 +364,117 @@ def test_the_model_with_shared_gradient_sums_has_the_reference_gradients(mode):
     for name, want in ref.items():
         bound = 1e-4 * want.abs().max().item() + torch.finfo(F32).tiny
         assert (fused[name] - want).abs().max().item() <= bound, name
+
+
+# -- the pre-norm in the mixture's kernels (``out_norm``) ---------------------------------------------
+
+NORM_EPS = 1e-5
+
+
+def normed_expected(sources, query, gain, gamma, Y) -> dict:
+    """y = gamma * h^ / sqrt(mean(h^2) + eps2), h^ the mixture rounded to the output dtype (straight
+    through: its gradient passes unchanged, as the kernels treat it), in float64, with the gradients
+    of every input by autograd."""
+    v = [s.detach().cpu().to(F64).requires_grad_() for s in sources]
+    q, g, gam = (t.detach().cpu().to(F64).requires_grad_() for t in (query, gain, gamma))
+    u = [x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS) for x in v]
+    a = torch.softmax(torch.stack([(ui * g * q).sum(-1) for ui in u]), dim=0)
+    h = sum(a[i].unsqueeze(-1) * x for i, x in enumerate(v))
+    h_hat = h + (h.to(Y.dtype).to(F64) - h).detach()
+    y = gam * h_hat / torch.sqrt(h_hat.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+    grads = torch.autograd.grad(y, [*v, q, g, gam], Y.cpu().to(F64))
+    L = max((ui.abs() * (g * q).abs()).sum(-1).max().item() for ui in u)
+    return dict(y=y.detach(), grads=grads, L=L)
+
+
+def check_normed(dtypes: list[torch.dtype], tiny_source: bool) -> None:
+    """The fused kernels against ``normed_expected``, each output within a bound on its largest element:
+    the fp32 math rounds about n = d + S + 16 times along a path, each error relative to magnitudes of
+    the size of the output's largest (the norm rescales the mixture to rms ~1), and the mixture weights
+    carry the logits' absolute error (factor 1 + L, as above): 8 n eps32 (1 + L) leaves a factor ~4 for
+    the norm's own chain of products. Where the output is not fp32 the rounding of h^ (and of the
+    outputs) to it adds its eps: an h^ element the two sides round differently moves y by an ulp there,
+    and every gradient by at most an ulp of the magnitudes it feeds: 4 eps_out covers the output's
+    own rounding and that flip. A term dropped or of the wrong sign moves an output by itself, at least
+    ~1e-2 of the magnitudes here. (A bf16 output with the source of rms 1e-3 is left out: its
+    gradient, scaled by 1/rms, magnifies an ulp of h^ that the interpreter, which truncates where
+    the reference rounds, gets wrong in about every other element.)"""
+    gen = torch.Generator().manual_seed(5)
+    sources, query, gain, _ = make_inputs(dtypes, tiny_source=tiny_source)
+    gamma = (1 + 0.3 * torch.randn(D, generator=gen, dtype=F64)).float().to(DEVICE).requires_grad_()
+    out_dtype = sources[0].dtype
+    for v in sources[1:]:
+        out_dtype = torch.promote_types(out_dtype, v.dtype)
+    Y = torch.randn(B, T, D, generator=gen, dtype=F64).to(out_dtype).to(DEVICE)
+    y = depth_mixture(sources, query, gain, EPS, backend="triton", out_norm=(gamma, NORM_EPS))
+    got = torch.autograd.grad(y, [*sources, query, gain, gamma], Y)
+    ref = normed_expected(sources, query, gain, gamma, Y)
+    n = D + len(sources) + 16
+    fp32_part = 8 * n * EPS32 * (1 + ref["L"])
+    out_part = 0.0 if out_dtype == F32 else 4 * torch.finfo(out_dtype).eps * OUTPUT_ROUNDING
+    assert y.dtype == out_dtype and y.shape == (B, T, D)
+    names = [f"dv[{i}]" for i in range(len(sources))] + ["d_query", "d_norm_weight", "d_gamma"]
+    for name, out, want in [("y", y, ref["y"]), *zip(names, got, ref["grads"])]:
+        assert torch.isfinite(out).all(), name
+        scale = want.abs().max().item()
+        limit = (fp32_part + out_part + (0 if out.dtype == F32 else torch.finfo(out.dtype).eps)) * scale
+        err = (out.detach().cpu().to(F64) - want).abs().max().item()
+        assert err <= limit, f"{name} ({out.dtype}): error {err:.3g} against a bound of {limit:.3g}"
+
+
+@pytest.mark.parametrize("dtypes,tiny_source", [
+    pytest.param([F32] * 3, True, id="fp32"),
+    pytest.param([F32, BF16, BF16], True, id="fp32-embedding-bf16-sums"),
+    pytest.param([BF16] * 4, False, id="bf16-only"),
+])
+def test_the_pre_norm_in_the_kernels_matches_float64(dtypes, tiny_source, small_blocks):
+    check_normed(dtypes, tiny_source)
+
+
+def test_the_pre_norm_in_the_kernels_keeps_one_more_number_per_token_and_not_the_mixture(small_blocks):
+    sources, query, gain, _ = make_inputs([F32, BF16, BF16])
+    gamma = torch.ones(D, device=DEVICE, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        depth_mixture(sources, query, gain, EPS, backend="triton", out_norm=(gamma, NORM_EPS))
+    inputs = {t.data_ptr() for t in (*sources, query, gain, gamma)}
+    new = [t for t in saved if t.data_ptr() not in inputs]
+    assert {t.data_ptr() for t in saved} >= inputs
+    assert sorted(t.shape for t in new) == sorted([(B * T,), (3, B * T), (3, B * T)]) and all(t.dtype == F32 for t in new)
+
+
+def test_the_reference_pre_norm_is_the_model_norm_of_the_mixture():
+    """The torch backend's ``out_norm`` is the RMSNorm module's output on the mixture, bitwise."""
+    sources, query, gain, _ = make_inputs([F32, BF16, BF16])
+    norm = RMSNorm(D, NORM_EPS).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.mul_(torch.linspace(0.5, 1.5, D, device=DEVICE))
+    fused = depth_mixture(sources, query, gain, EPS, backend="torch", out_norm=(norm.weight, NORM_EPS))
+    assert torch.equal(fused, norm(depth_mixture(sources, query, gain, EPS, backend="torch")))
+
+
+def test_the_stream_fuses_the_pre_norm_only_where_the_kernels_take_it(small_blocks):
+    """``ResidualStream.normed_input``: the mixer's kernels apply the norm when ``fused_norm`` is on, the
+    mixture has two sources or more and runs on Triton, and the norm is a plain RMSNorm; the result
+    is the norm of the mixture either way (fp32 sources: the same math in another order)."""
+    mixer, sources = mixer_and_sources("triton")
+    norm = RMSNorm(D, NORM_EPS).to(DEVICE)
+    stream = ResidualStream("full", tuple(s.detach().float() for s in sources))
+    apart = stream.normed_input(mixer, norm)
+    assert not mixer.fuses_norm(norm, list(stream.sources))  # the option is off by default
+    mixer.fused_norm = True
+    assert mixer.fuses_norm(norm, list(stream.sources))
+    assert not mixer.fuses_norm(norm, list(stream.sources[:1]))  # one source: no mixture
+    assert not mixer.fuses_norm(GatedRMSNorm(D).to(DEVICE), list(stream.sources))  # a gated norm is not this one
+    calls = []
+    original = attn_res_module.depth_mixture
+    try:
+        attn_res_module.depth_mixture = lambda *args: calls.append(args[-1]) or original(*args)
+        together = stream.normed_input(mixer, norm)
+    finally:
+        attn_res_module.depth_mixture = original
+    assert len(calls) == 1 and calls[0][0] is norm.weight and calls[0][1] == NORM_EPS
+    scale = apart.abs().max().item()
+    assert (together - apart).abs().max().item() <= 8 * (D + 3 + 16) * EPS32 * scale
+    mixer.norm.backend = "torch"
+    assert not mixer.fuses_norm(norm, list(stream.sources))  # the reference mixture: the norm runs apart

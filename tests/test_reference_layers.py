@@ -254,7 +254,7 @@ def test_residual_stream_feeds_each_sublayer_its_mixture(mode, block_size):
             inputs_seen.append(h)
             stream = stream.plus(torch.tanh(h @ weights[j]))
         stream = stream.end_layer(i, block_size)
-    out = stream.final(None if mode == "none" else mixers[-1])
+    out = stream.sublayer_input(None if mode == "none" else mixers[-1])
 
     sources = ref.DepthSources(mode, block_size, embedding)
     expected = []

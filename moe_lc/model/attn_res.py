@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from moe_lc.model.norm import RMSNorm
-from moe_lc.ops.depth_mixture import GradientSum, depth_mixture
+from moe_lc.ops.depth_mixture import GradientSum, depth_mixture, resolve_backend
 
 
 class _MixerNorm(RMSNorm):
@@ -38,30 +38,55 @@ class _MixerNorm(RMSNorm):
         self.backend = backend
 
     def forward(self, sources: list[Tensor], query: Tensor,  # type: ignore[override]
-                sums: Optional[list[GradientSum]] = None) -> Tensor:
-        return depth_mixture(sources, query, self.weight, self.eps, self.backend, sums)
+                sums: Optional[list[GradientSum]] = None,
+                out_norm: Optional[tuple[Tensor, float]] = None) -> Tensor:
+        return depth_mixture(sources, query, self.weight, self.eps, self.backend, sums, out_norm)
+
+
+def _plain(t: Tensor) -> bool:
+    """A parameter as the model holds it, not a DTensor that tensor parallelism's hooks would swap."""
+    return type(t) in (nn.Parameter, Tensor)
 
 
 class DepthMixer(nn.Module):
     """One pseudo-query w_j with its own RMSNorm, mixing a list of sources.
 
-    ``backend`` is handed to ``depth_mixture`` ("auto": the fused Triton kernels on GPUs)."""
+    ``backend`` is handed to ``depth_mixture`` ("auto": the fused Triton kernels on GPUs);
+    ``fused_norm``: the pre-norm that reads the mixture may run in the mixture's kernels
+    (``fuses_norm``)."""
 
-    def __init__(self, d_model: int, eps: float = 1e-6, backend: str = "auto") -> None:
+    def __init__(self, d_model: int, eps: float = 1e-6, backend: str = "auto", fused_norm: bool = False) -> None:
         super().__init__()
         self.query = nn.Parameter(torch.zeros(d_model))
         self.norm = _MixerNorm(d_model, eps, backend)
+        self.fused_norm = fused_norm
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.query)
         self.norm.reset_parameters()
 
-    def forward(self, sources: list[Tensor], sums: Optional[list[GradientSum]] = None) -> Tensor:
-        """The mixture; ``sums``: the sources' gradient sums (``ResidualStream.sums``), or None."""
+    def fuses_norm(self, out_norm: RMSNorm, sources: list[Tensor]) -> bool:
+        """Whether ``out_norm`` (of this class exactly: no gate) goes into the mixture's kernels: the
+        option is on, there is a mixture (two sources or more), the kernels take the inputs, and every
+        weight is a plain tensor (under tensor parallelism they are DTensors whose local pieces only
+        each module's own call sees: the norm then runs in its own call)."""
+        if not self.fused_norm or len(sources) < 2 or type(out_norm) is not RMSNorm:
+            return False
+        weights = (self.query, self.norm.weight, out_norm.weight)
+        if not all(_plain(w) for w in weights):
+            return False
+        return resolve_backend(sources, self.query, self.norm.weight, self.norm.backend, out_norm.weight) == "triton"
+
+    def forward(self, sources: list[Tensor], sums: Optional[list[GradientSum]] = None,
+                out_norm: Optional[RMSNorm] = None) -> Tensor:
+        """The mixture; ``sums``: the sources' gradient sums (``ResidualStream.sums``), or None.
+        ``out_norm``: the norm that reads the mixture, applied in the mixture's kernels (the caller has
+        checked ``fuses_norm``); the result is then that norm's output."""
         if len(sources) == 1:
             # softmax over one source is exactly 1; skip the work (no gradient to w either way)
             return sources[0]
-        return self.norm(sources, self.query, sums)
+        fused = None if out_norm is None else (out_norm.weight, out_norm.eps)
+        return self.norm(sources, self.query, sums, fused)
 
 
 @dataclass(frozen=True)
@@ -102,6 +127,15 @@ class ResidualStream:
             return sources[0]
         return mixer(sources, list(self.sums))
 
+    def normed_input(self, mixer: Optional[DepthMixer], norm: RMSNorm) -> Tensor:
+        """``norm`` of the sublayer's input: in the mixture's kernels where ``mixer.fuses_norm`` allows,
+        else the norm's own call on the mixture."""
+        if self.mode != "none" and mixer is not None:
+            sources = self.all_sources()
+            if mixer.fuses_norm(norm, sources):
+                return mixer(sources, list(self.sums), out_norm=norm)
+        return norm(self.sublayer_input(mixer))
+
     def plus(self, f: Tensor) -> "ResidualStream":
         """The stream after a sublayer's output f: a new source (full), else added to the partial sum."""
         if self.mode == "full":
@@ -115,7 +149,3 @@ class ResidualStream:
         if self.mode == "block" and (layer_idx + 1) % block_size == 0 and self.partial is not None:
             return ResidualStream(self.mode, (*self.sources, self.partial), None, self.sums)
         return self
-
-    def final(self, mixer: Optional[DepthMixer]) -> Tensor:
-        """What goes into the final norm: the plain residual, or the output mixture of all sources."""
-        return self.sublayer_input(mixer)

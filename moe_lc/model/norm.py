@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from moe_lc.model.precision import upcast
+from moe_lc.ops.rms_norm import rms_normalised
 
 
 class RMSNorm(nn.Module):
@@ -19,9 +20,7 @@ class RMSNorm(nn.Module):
 
     def normalised(self, x: torch.Tensor) -> torch.Tensor:
         """g * x / rms(x) in fp32 (fp64 stays fp64), before the cast back to x's dtype."""
-        xf = upcast(x)
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y * upcast(self.weight)
+        return rms_normalised(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

@@ -44,12 +44,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_idx, self.kind = layer_idx, kind
         d, eps = cfg.d_model, cfg.norm_eps
-        mixing = cfg.attn_res.backend
+        mixing, fused_norm = cfg.attn_res.backend, cfg.attn_res.fused_norm
         # The very first sublayer sees one source (the embedding): softmax over it is 1, so no mixer.
-        self.attn_mixer = DepthMixer(d, eps, mixing) if use_attn_res and layer_idx > 0 else None
+        self.attn_mixer = DepthMixer(d, eps, mixing, fused_norm) if use_attn_res and layer_idx > 0 else None
         self.attn_norm = RMSNorm(d, eps)
         self.attn = KDAttention(d, cfg.kda, eps) if kind == "K" else GatedMLA(d, cfg.mla, eps)
-        self.ffn_mixer = DepthMixer(d, eps, mixing) if use_attn_res else None
+        self.ffn_mixer = DepthMixer(d, eps, mixing, fused_norm) if use_attn_res else None
         self.ffn_norm = RMSNorm(d, eps)
         m = cfg.moe
         if cfg.is_dense_layer(layer_idx):
@@ -64,10 +64,8 @@ class DecoderLayer(nn.Module):
     def forward(self, stream: ResidualStream, docs: Optional[DocumentBounds] = None) -> ResidualStream:
         """The stream after both sublayers; a pure function of ``stream`` (which it leaves unchanged),
         so that activation checkpointing can run it again in backward."""
-        h = stream.sublayer_input(self.attn_mixer)
-        stream = stream.plus(self.attn(self.attn_norm(h), docs))
-        h = stream.sublayer_input(self.ffn_mixer)
-        return stream.plus(self.ffn(self.ffn_norm(h)))
+        stream = stream.plus(self.attn(stream.normed_input(self.attn_mixer, self.attn_norm), docs))
+        return stream.plus(self.ffn(stream.normed_input(self.ffn_mixer, self.ffn_norm)))
 
 
 class MultiTokenPrediction(nn.Module):
@@ -148,7 +146,7 @@ class MoELCModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, kind, use_ar) for i, kind in enumerate(cfg.pattern)
         )
-        self.out_mixer = DepthMixer(d, cfg.norm_eps, cfg.attn_res.backend) if use_ar else None
+        self.out_mixer = DepthMixer(d, cfg.norm_eps, cfg.attn_res.backend, cfg.attn_res.fused_norm) if use_ar else None
         self.final_norm = RMSNorm(d, cfg.norm_eps)
         self.lm_head = nn.Linear(d, cfg.padded_vocab_size, bias=False)
         self.mtp = MultiTokenPrediction(cfg) if cfg.mtp else None
@@ -247,7 +245,7 @@ class MoELCModel(nn.Module):
 
     def head_input(self, stream: ResidualStream) -> torch.Tensor:
         """The final normalised hidden states from the stream after the last decoder layer."""
-        return self.final_norm(stream.final(self.out_mixer))
+        return stream.normed_input(self.out_mixer, self.final_norm)
 
     def hidden_states(self, input_ids: torch.Tensor, docs: Optional[DocumentBounds] = None) -> torch.Tensor:
         """Final normalised hidden states [B, T, d]."""

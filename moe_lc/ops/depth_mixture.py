@@ -2,7 +2,9 @@
 
     h = sum_i a_i v_i,   a = softmax_i( w . (g * v_i / rms(v_i)) ),   rms(v) = sqrt(mean(v^2) + eps)
 
-over S sources v_i [..., d] with the pseudo-query w and the RMSNorm gain g ([d] each).
+over S sources v_i [..., d] with the pseudo-query w and the RMSNorm gain g ([d] each); with
+``out_norm`` = (gamma, eps2) the result is the sublayer's pre-norm of it, gamma * h / rms(h)
+(``moe_lc.ops.rms_norm``), which the Triton kernels apply without writing h or keeping it.
 ``depth_mixture_reference`` is the definition (plain PyTorch, any float dtype and device; what a
 float64 model runs); ``depth_mixture`` picks it or the fused Triton kernels
 (moe_lc_kernels.depth_mixture: one kernel each way, where the reference makes a dozen passes over
@@ -18,6 +20,7 @@ import torch
 from torch import Tensor
 
 from moe_lc.ops.backend_choice import choose_backend, triton_device_reason
+from moe_lc.ops.rms_norm import rms_norm
 from moe_lc_kernels.depth_mixture import MAX_SOURCES, GradientSum, depth_mixture_triton
 
 __all__ = ["depth_mixture_reference", "depth_mixture", "resolve_backend", "triton_unsupported_reason", "GradientSum"]
@@ -91,15 +94,17 @@ def depth_mixture_reference(sources: list[Tensor], query: Tensor, norm_weight: T
     return _DepthMixture.apply(query, norm_weight, eps, *sources)
 
 
-def triton_unsupported_reason(sources: list[Tensor], query: Tensor, norm_weight: Tensor) -> Optional[str]:
-    """Why the Triton kernels cannot take these inputs here, or None when they can."""
+def triton_unsupported_reason(sources: list[Tensor], query: Tensor, norm_weight: Tensor,
+                              out_gain: Optional[Tensor] = None) -> Optional[str]:
+    """Why the Triton kernels cannot take these inputs here (with ``out_gain``, the pre-norm's gain), or
+    None when they can."""
     first = sources[0]
     reason = triton_device_reason(first.device)
     if reason is not None:
         return reason
     if len(sources) > MAX_SOURCES:
         return f"the kernels take at most {MAX_SOURCES} sources, got {len(sources)}"
-    tensors = [*sources, query, norm_weight]
+    tensors = [*sources, query, norm_weight, *([] if out_gain is None else [out_gain])]
     if any(t.dtype not in _TRITON_DTYPES for t in tensors):
         return (f"the kernels take fp32/bf16/fp16 sources, query and norm weight (fp64 runs the reference), got "
                 f"{sorted({str(t.dtype) for t in tensors})}")
@@ -108,6 +113,8 @@ def triton_unsupported_reason(sources: list[Tensor], query: Tensor, norm_weight:
     if query.shape != (first.shape[-1],) or norm_weight.shape != query.shape:
         return (f"the kernels take a query and a norm weight of shape [d = {first.shape[-1]}], got "
                 f"{tuple(query.shape)} and {tuple(norm_weight.shape)}")
+    if out_gain is not None and out_gain.shape != query.shape:
+        return f"the kernels take a pre-norm gain of shape [d = {first.shape[-1]}], got {tuple(out_gain.shape)}"
     if any(t.device != first.device for t in tensors):
         return f"the inputs are on several devices: {sorted({str(t.device) for t in tensors})}"
     if any(v.stride(-1) != 1 for v in sources if v.shape[-1] > 1):
@@ -115,10 +122,11 @@ def triton_unsupported_reason(sources: list[Tensor], query: Tensor, norm_weight:
     return None
 
 
-def resolve_backend(sources: list[Tensor], query: Tensor, norm_weight: Tensor, backend: str = "auto") -> str:
+def resolve_backend(sources: list[Tensor], query: Tensor, norm_weight: Tensor, backend: str = "auto",
+                    out_gain: Optional[Tensor] = None) -> str:
     """The backend ``depth_mixture`` runs: "auto" takes Triton only on CUDA (never the slow CPU interpreter)."""
-    return choose_backend("depth_mixture", backend, "triton", triton_unsupported_reason(sources, query, norm_weight),
-                          auto_takes_fast=sources[0].is_cuda)
+    reason = triton_unsupported_reason(sources, query, norm_weight, out_gain)
+    return choose_backend("depth_mixture", backend, "triton", reason, auto_takes_fast=sources[0].is_cuda)
 
 
 # A graph break under torch.compile: Dynamo runs the kernels' autograd Function as it is, eagerly.
@@ -126,7 +134,8 @@ _depth_mixture_fused = torch.compiler.disable(depth_mixture_triton)
 
 
 def depth_mixture(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: float,
-                  backend: str = "auto", sums: Optional[Sequence[GradientSum]] = None) -> Tensor:
+                  backend: str = "auto", sums: Optional[Sequence[GradientSum]] = None,
+                  out_norm: Optional[tuple[Tensor, float]] = None) -> Tensor:
     """sum_i a_i v_i over ``sources`` (at least one, [..., d] each), differentiable in all inputs.
 
     Backends: "torch" (the reference), "triton" (fused kernels: fp32/bf16/fp16 sources of one
@@ -135,7 +144,10 @@ def depth_mixture(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps
     ``sums``: one :class:`GradientSum` per source, shared by all the mixtures that read it, where the
     Triton backward sums the source's gradient in its kernels (the reference leaves it to autograd);
     the gradients autograd sees in the end are the same either way.
+    ``out_norm``: (gain [d], eps) of the RMSNorm that reads the mixture; the result is then that
+    norm's output (the reference computes the mixture, then ``rms_norm``; the kernels do both at once).
     """
-    if resolve_backend(sources, query, norm_weight, backend) == "torch":
-        return depth_mixture_reference(sources, query, norm_weight, eps)
-    return _depth_mixture_fused(sources, query, norm_weight, eps, sums)
+    if resolve_backend(sources, query, norm_weight, backend, None if out_norm is None else out_norm[0]) == "torch":
+        mixed = depth_mixture_reference(sources, query, norm_weight, eps)
+        return mixed if out_norm is None else rms_norm(mixed, *out_norm)
+    return _depth_mixture_fused(sources, query, norm_weight, eps, sums, out_norm)

@@ -22,6 +22,7 @@ class Mutant:
 
 
 NORM = "moe_lc/model/norm.py"
+RMS = "moe_lc/ops/rms_norm.py"
 FFN = "moe_lc/model/ffn.py"
 KDA = "moe_lc/model/kda.py"
 KDA_OP = "moe_lc/ops/kda.py"
@@ -58,13 +59,13 @@ FUSED_LOSS = "moe_lc/ops/linear_cross_entropy.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- normalisations
-    Mutant("rmsnorm-eps-dropped", NORM, "mean(-1, keepdim=True) + self.eps)", "mean(-1, keepdim=True))",
+    Mutant("rmsnorm-eps-dropped", RMS, "mean(-1, keepdim=True) + eps)", "mean(-1, keepdim=True))",
            "RMSNorm without its eps"),
-    Mutant("rmsnorm-eps-changed", NORM, "mean(-1, keepdim=True) + self.eps)", "mean(-1, keepdim=True) + 1e-5)",
+    Mutant("rmsnorm-eps-changed", RMS, "mean(-1, keepdim=True) + eps)", "mean(-1, keepdim=True) + 1e-5)",
            "RMSNorm eps 1e-5 instead of the configured 1e-6"),
-    Mutant("rmsnorm-weight-dropped", NORM, "return y * upcast(self.weight)", "return y",
+    Mutant("rmsnorm-weight-dropped", RMS, "return y * _wide(weight)", "return y",
            "RMSNorm ignores its learned weight"),
-    Mutant("rmsnorm-sum-not-mean", NORM, "xf.pow(2).mean(-1", "xf.pow(2).sum(-1", "RMSNorm divides by the norm, not the RMS"),
+    Mutant("rmsnorm-sum-not-mean", RMS, "xf.pow(2).mean(-1", "xf.pow(2).sum(-1", "RMSNorm divides by the norm, not the RMS"),
     Mutant("l2norm-eps-changed", KDA_PROJ, "L2NORM_EPS = 1e-6", "L2NORM_EPS = 1e-4", "L2 norm of q/k with eps 1e-4"),
     Mutant("l2norm-k-dropped", KDA_PROJ, "chunk_kda(l2_normalize(q), l2_normalize(k), v,", "chunk_kda(l2_normalize(q), k, v,",
            "KDA keys not L2-normalised"),
@@ -77,10 +78,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("moe-latent-norm-dropped", MOE, "self.latent_up(self.latent_norm(self.routed(z, topk_idx, weights)))",
            "self.latent_up(self.routed(z, topk_idx, weights))",
            "LatentMoE up-projects u without its RMSNorm"),
-    Mutant("pre-norm-dropped", MODEL, "self.attn(self.attn_norm(h), docs)", "self.attn(h, docs)",
+    Mutant("pre-norm-dropped", MODEL, "self.attn(stream.normed_input(self.attn_mixer, self.attn_norm), docs)",
+           "self.attn(stream.sublayer_input(self.attn_mixer), docs)",
            "token mixer reads the residual without its pre-norm"),
-    Mutant("final-norm-dropped", MODEL, "return self.final_norm(stream.final(self.out_mixer))",
-           "return stream.final(self.out_mixer)", "LM head reads the un-normalised output"),
+    Mutant("final-norm-dropped", MODEL, "return stream.normed_input(self.out_mixer, self.final_norm)",
+           "return stream.sublayer_input(self.out_mixer)", "LM head reads the un-normalised output"),
     Mutant("mtp-hidden-norm-dropped", MODEL, "torch.cat([self.hidden_norm(hidden),", "torch.cat([hidden,",
            "MTP concatenates the trunk state without its RMSNorm"),
     Mutant("attnres-norm-dropped", MIXTURE, "            u, r = _normalised(v, eps)\n",
@@ -314,8 +316,9 @@ MUTANTS: tuple[Mutant, ...] = (
            "softmax over tokens instead of over depth"),
     Mutant("attnres-partial-left-out", RES, "return [*self.sources, *([self.partial] if self.partial is not None else [])]",
            "return list(self.sources) if self.sources else [self.partial]", "the current block's partial sum is not a source"),
-    Mutant("attnres-output-mixer-dropped", RES, "        return self.sublayer_input(mixer)\n",
-           "        return self.all_sources()[-1]\n", "the final output is the last source, not the output mixture"),
+    Mutant("attnres-output-mixer-dropped", MODEL, "return stream.normed_input(self.out_mixer, self.final_norm)",
+           "return self.final_norm(stream.all_sources()[-1])",
+           "the final output is the last source, not the output mixture"),
     # -- losses and targets
     Mutant("mtp-target-not-shifted", MODEL, "targets[:, :-1] = labels[:, 1:]", "targets[:, :] = labels",
            "MTP predicts t+1 (the LM target) instead of t+2"),
