@@ -76,6 +76,7 @@ class ExecutionPath:
     casts: bool  # bf16 autocast over fp32 tensors: every linear keeps its own bf16 copy of its input
     fused: bool  # Triton KDA and short convolution, CUDA attention (else the torch reference ops)
     compiled_moe: bool = False  # the MoE glue under regional compile (``compile.targets``' "moe")
+    tensor_parallel: bool = False  # DTensor weights: the pre-norms stay out of the mixtures' kernels
 
 
 REFERENCE_FP32 = ExecutionPath(act=4, stream=4, casts=False, fused=False)  # CPU, fp32
@@ -95,6 +96,7 @@ def gpu_execution_path(layout: ParallelLayout, compile: Optional[RegionalCompile
     glue compiled where ``compile`` (the run's policy, ``auto`` decided for the layout) compiles it."""
     bf16_weights = layout.wraps_with_fsdp and layout.param_dtype in ("auto", "bfloat16")
     path = GPU_BF16_WEIGHTS if bf16_weights else GPU_AUTOCAST
+    path = replace(path, tensor_parallel=layout.tp > 1)
     if compile is not None:
         resolved = compile.resolve("cuda", layout.world_size, layout.tp)
         path = replace(path, compiled_moe=resolved.enabled is True and CompileTarget.moe in resolved.targets)
@@ -134,11 +136,23 @@ def _norm(t: _Tally, width: int, x_bytes: int, path: ExecutionPath, readers: int
     t.saved(FP32 * width + FP32 * rows)
     if x_bytes < FP32:
         t.saved(FP32 * width)
+    _norm_output(t, width, x_bytes, path, readers)
+    return x_bytes == FP32
+
+
+def _norm_output(t: _Tally, width: int, x_bytes: int, path: ExecutionPath, readers: int) -> None:
+    """A norm's output as its readers keep it: under autocast each reader's bf16 copy of a wider output,
+    else the output itself (0 readers: no op saves it)."""
     if path.casts and x_bytes > path.act:
         t.saved(readers * path.act * width)
     elif readers:
         t.saved(x_bytes * width)
-    return x_bytes == FP32
+
+
+def fuses_pre_norms(cfg: ModelConfig, path: ExecutionPath) -> bool:
+    """Whether the mixtures' kernels apply the sublayers' pre-norms (``attn_res.fused_norm``): on the GPU
+    path, with the Triton mixtures, and not under tensor parallelism (``DepthMixer.fuses_norm``)."""
+    return cfg.attn_res.fused_norm and path.fused and cfg.attn_res.backend != "torch" and not path.tensor_parallel
 
 
 def _glu(t: _Tally, rows: float, hidden: int, activation: str, path: ExecutionPath) -> None:
@@ -276,10 +290,14 @@ class LayerActivations:
 
 
 def _sublayer_input(t: _Tally, cfg: ModelConfig, sources: int, stream_bytes: int, readers: int,
-                    path: ExecutionPath) -> None:
-    """The AttnRes mixture over ``sources`` (when there is more than one) and the pre-norm."""
+                    path: ExecutionPath, fusable: bool = True) -> None:
+    """The AttnRes mixture over ``sources`` (when there is more than one) and the pre-norm (in the
+    mixture's kernels where ``fuses_pre_norms``, for a sublayer's pre-norm; not the final norm)."""
     d = cfg.d_model
-    if sources > 1:
+    if sources > 1 and fusable and fuses_pre_norms(cfg, path):
+        t.saved(2 * FP32 * sources + FP32)  # mixture weights and inverse rms per source, the output's inverse rms
+        _norm_output(t, d, stream_bytes, path, readers)  # the mixture itself is neither stored nor kept
+    elif sources > 1:
         t.saved(2 * FP32 * sources)  # mixture weights and inverse rms per source
         if _norm(t, d, stream_bytes, path, readers):
             t.saved(stream_bytes * d)  # the mixture itself, the norm's input
@@ -371,7 +389,7 @@ def outside_layers_bytes(cfg: ModelConfig, tokens: int, path: ExecutionPath, los
     chunked = not fused_loss and tokens > max(1, loss_chunk_elements // cfg.padded_vocab_size)
     # the LM head reads the final norm's output; recomputed loss chunks keep that output itself
     _sublayer_input(t, cfg, final_sources(cfg), mixed, 0 if fused_loss else 1,
-                    replace(path, casts=False) if chunked else path)
+                    replace(path, casts=False) if chunked else path, fusable=False)
     if fused_loss:
         t.saved(mixed * d + head_grad)
     elif not chunked:
