@@ -17,6 +17,11 @@ reference: the largest absolute difference of the output and of each gradient, r
 reference's largest element (both compute in fp32; the bf16 source gradients may differ by a
 bf16 rounding, 2^-8 relative).
 
+``--pre-norm``: instead, the mixture followed by the sublayer's RMSNorm (gain and eps 1e-6), as a
+decoder layer runs it on the bf16 stream (every source bf16): the Triton mixture then the norm
+eager, then the norm compiled (as ``compile.targets`` "norms" runs it), against the norm in the
+mixture's kernels (``attn_res.fused_norm``); each checked against the first.
+
 ``--variants``: ';'-separated overrides of moe_lc_kernels.depth_mixture.TUNING, each timed as
 another Triton row (e.g. 'fwd_rows=8,fwd_warps=8;l2_budget=16777216'; ``programs=none`` sizes the
 grid from the L2 budget). ``--device cpu`` is a smoke run of this script's logic (tiny sizes,
@@ -161,6 +166,36 @@ def print_table(rows: list[dict], copy: Optional[float]) -> None:
               f"{r['fwd_gbps']:9.0f} {r['bwd_gbps']:9.0f} {r['fwd_bwd_gbps']:9.0f}  {diff}")
 
 
+def pre_norm_rows(S: int, N: int, d: int, device: torch.device, time_ms, compile_norm: bool) -> list[dict]:
+    """The mixture and its pre-norm, apart (eager, compiled norm) and in one set of kernels (``--pre-norm``)."""
+    from moe_lc.model.norm import RMSNorm
+    from moe_lc.ops.depth_mixture import depth_mixture
+
+    sources, query, gain, grad = make_inputs(S, N, d, device)
+    sources = [v.detach().bfloat16().requires_grad_() for v in sources]
+    grad = grad.bfloat16()
+    norm = RMSNorm(d, EPS).to(device)
+    with torch.no_grad():
+        norm.weight.add_(0.1 * torch.randn(d, device=device))
+    compiled = torch.compile(RMSNorm(d, EPS).to(device)) if compile_norm else None
+    if compiled is not None:
+        compiled._orig_mod.load_state_dict(norm.state_dict())
+    calls = {"mixture, then the norm eager": lambda s, q, g: norm(depth_mixture(s, q, g, EPS, backend="triton"))}
+    if compiled is not None:
+        calls["mixture, then the norm compiled"] = lambda s, q, g: compiled(depth_mixture(s, q, g, EPS, backend="triton"))
+    calls["the norm in the mixture's kernels"] = lambda s, q, g: depth_mixture(
+        s, q, g, EPS, backend="triton", out_norm=(norm.weight, EPS))
+    inputs = (sources, query, gain, grad)
+    reference = run_once(calls["mixture, then the norm eager"], *inputs)
+    gb = pass_bytes(sources, torch.bfloat16)
+    rows = []
+    for name, call in calls.items():
+        row = dict(S=S, variant=name, diff=relative_diffs(run_once(call, *inputs), reference))
+        row.update(time_variant(call, inputs, time_ms, gb))
+        rows.append(row)
+    return rows
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=16384)
@@ -171,6 +206,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--warmup-ms", type=int, default=25)
     parser.add_argument("--rep-ms", type=int, default=100)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--pre-norm", action="store_true", help="time the mixture with its pre-norm, apart and fused")
     args = parser.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton's first import
@@ -188,6 +224,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     copy = copy_gbps(device, time_ms, 1 << 30) if device.type == "cuda" else None
     names = ["reference eager"] + ([] if args.no_compile or device.type != "cuda" else ["reference compiled"])
     rows = []
+    if args.pre_norm:
+        compile_norm = not args.no_compile and device.type == "cuda"
+        for S in (int(s) for s in args.sources.split(",")):
+            rows += pre_norm_rows(S, args.tokens, args.d, device, time_ms, compile_norm)
+        print(f"N = {args.tokens} tokens, d = {args.d}, every source bf16, then an RMSNorm; GB/s against the "
+              f"mixture's own bytes; TUNING {defaults}")
+        print_table(rows, copy)
+        print(f"{time.perf_counter() - started:.0f} s in all (compilations included)")
+        return 0
     for S in (int(s) for s in args.sources.split(",")):
         inputs = make_inputs(S, args.tokens, args.d, device)
         gb = pass_bytes(inputs[0], torch.float32)

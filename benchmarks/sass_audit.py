@@ -185,9 +185,11 @@ def _depth_mixture() -> None:
     from moe_lc_kernels.depth_mixture import depth_mixture_triton
 
     for count in (4, 7):
-        sources = [_bf16(1, TOKENS, D).requires_grad_(True) for _ in range(count)]
-        h = depth_mixture_triton(sources, torch.randn(D, requires_grad=True), torch.ones(D, requires_grad=True), 1e-6)
-        h.backward(torch.ones_like(h))
+        for out_norm in (None, (torch.ones(D, requires_grad=True), 1e-6)):  # the mixture alone, and with its pre-norm
+            sources = [_bf16(1, TOKENS, D).requires_grad_(True) for _ in range(count)]
+            h = depth_mixture_triton(sources, torch.randn(D, requires_grad=True), torch.ones(D, requires_grad=True),
+                                     1e-6, out_norm=out_norm)
+            h.backward(torch.ones_like(h))
 
 
 def _accumulate() -> None:
