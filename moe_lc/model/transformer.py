@@ -146,7 +146,7 @@ class MoELCModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, kind, use_ar) for i, kind in enumerate(cfg.pattern)
         )
-        self.out_mixer = DepthMixer(d, cfg.norm_eps, cfg.attn_res.backend) if use_ar else None
+        self.out_mixer = DepthMixer(d, cfg.norm_eps, cfg.attn_res.backend, cfg.attn_res.fused_norm) if use_ar else None
         self.final_norm = RMSNorm(d, cfg.norm_eps)
         self.lm_head = nn.Linear(d, cfg.padded_vocab_size, bias=False)
         self.mtp = MultiTokenPrediction(cfg) if cfg.mtp else None
@@ -245,9 +245,7 @@ class MoELCModel(nn.Module):
 
     def head_input(self, stream: ResidualStream) -> torch.Tensor:
         """The final normalised hidden states from the stream after the last decoder layer."""
-        # not fused into the output mixture: the fused loss keeps the mixture kernels' output alive
-        # (measured: 4 bytes a token and channel more than the norm apart), so nothing would be saved
-        return self.final_norm(stream.sublayer_input(self.out_mixer))
+        return stream.normed_input(self.out_mixer, self.final_norm)
 
     def hidden_states(self, input_ids: torch.Tensor, docs: Optional[DocumentBounds] = None) -> torch.Tensor:
         """Final normalised hidden states [B, T, d]."""

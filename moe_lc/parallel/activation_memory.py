@@ -290,11 +290,11 @@ class LayerActivations:
 
 
 def _sublayer_input(t: _Tally, cfg: ModelConfig, sources: int, stream_bytes: int, readers: int,
-                    path: ExecutionPath, fusable: bool = True) -> None:
-    """The AttnRes mixture over ``sources`` (when there is more than one) and the pre-norm (in the
-    mixture's kernels where ``fuses_pre_norms``, for a sublayer's pre-norm; not the final norm)."""
+                    path: ExecutionPath) -> None:
+    """The AttnRes mixture over ``sources`` (when there is more than one) and the norm that reads it
+    (in the mixture's kernels where ``fuses_pre_norms``)."""
     d = cfg.d_model
-    if sources > 1 and fusable and fuses_pre_norms(cfg, path):
+    if sources > 1 and fuses_pre_norms(cfg, path):
         t.saved(2 * FP32 * sources + FP32)  # mixture weights and inverse rms per source, the output's inverse rms
         _norm_output(t, d, stream_bytes, path, readers)  # the mixture itself is neither stored nor kept
     elif sources > 1:
@@ -389,7 +389,7 @@ def outside_layers_bytes(cfg: ModelConfig, tokens: int, path: ExecutionPath, los
     chunked = not fused_loss and tokens > max(1, loss_chunk_elements // cfg.padded_vocab_size)
     # the LM head reads the final norm's output; recomputed loss chunks keep that output itself
     _sublayer_input(t, cfg, final_sources(cfg), mixed, 0 if fused_loss else 1,
-                    replace(path, casts=False) if chunked else path, fusable=False)
+                    replace(path, casts=False) if chunked else path)
     if fused_loss:
         t.saved(mixed * d + head_grad)
     elif not chunked:

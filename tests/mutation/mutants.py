@@ -81,7 +81,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("pre-norm-dropped", MODEL, "self.attn(stream.normed_input(self.attn_mixer, self.attn_norm), docs)",
            "self.attn(stream.sublayer_input(self.attn_mixer), docs)",
            "token mixer reads the residual without its pre-norm"),
-    Mutant("final-norm-dropped", MODEL, "return self.final_norm(stream.sublayer_input(self.out_mixer))",
+    Mutant("final-norm-dropped", MODEL, "return stream.normed_input(self.out_mixer, self.final_norm)",
            "return stream.sublayer_input(self.out_mixer)", "LM head reads the un-normalised output"),
     Mutant("mtp-hidden-norm-dropped", MODEL, "torch.cat([self.hidden_norm(hidden),", "torch.cat([hidden,",
            "MTP concatenates the trunk state without its RMSNorm"),
@@ -329,7 +329,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "softmax over tokens instead of over depth"),
     Mutant("attnres-partial-left-out", RES, "return [*self.sources, *([self.partial] if self.partial is not None else [])]",
            "return list(self.sources) if self.sources else [self.partial]", "the current block's partial sum is not a source"),
-    Mutant("attnres-output-mixer-dropped", MODEL, "return self.final_norm(stream.sublayer_input(self.out_mixer))",
+    Mutant("attnres-output-mixer-dropped", MODEL, "return stream.normed_input(self.out_mixer, self.final_norm)",
            "return self.final_norm(stream.all_sources()[-1])",
            "the final output is the last source, not the output mixture"),
     # -- losses and targets
