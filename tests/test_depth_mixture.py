@@ -500,9 +500,9 @@ def test_the_plan_counts_what_the_pre_norm_in_the_kernels_saves():
         model = build_model(cfg.validate(), DEVICE, seed=0)
         model.train()
         gen = torch.Generator().manual_seed(1)
-        ids, labels = (torch.randint(0, cfg.vocab_size, (1, 64), generator=gen).to(DEVICE) for _ in range(2))
+        ids, labels = (torch.randint(0, cfg.vocab_size, (1, 32), generator=gen).to(DEVICE) for _ in range(2))
         measured = measure_saved_activations(model, ids, labels, backward=False)
-        planned = estimate_activations(cfg, ActivationCheckpointing(), 64, replace(REFERENCE_FP32, fused=True))
+        planned = estimate_activations(cfg, ActivationCheckpointing(), 32, replace(REFERENCE_FP32, fused=True))
         return measured, planned.by_layer
 
     (fused, fused_plan), (apart, apart_plan) = measured_and_planned(True), measured_and_planned(False)
