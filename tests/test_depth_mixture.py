@@ -511,3 +511,16 @@ def test_the_plan_counts_what_the_pre_norm_in_the_kernels_saves():
         planned = apart_plan[label] - fused_plan[label]
         assert saved > 0, label  # every layer's FFN sublayer reads a mixture, and so does the final norm
         assert abs(planned / saved - 1) < 0.15, f"{label}: plan saves {planned:.0f} B/token, measured {saved:.0f}"
+
+
+def test_a_compiled_depth_mixer_applies_its_pre_norm_in_the_kernels_eagerly(small_blocks):
+    """The ``attn_res`` compile target with the pre-norm fused: the mixer's compiled forward takes the
+    norm as an argument and still reaches the kernels through their graph break, with the same result."""
+    mixer, sources = mixer_and_sources("triton")
+    mixer.fused_norm = True
+    norm = RMSNorm(D, NORM_EPS).to(DEVICE)
+    eager = mixer(sources, out_norm=norm)
+    torch._dynamo.reset()
+    mixer.compile()
+    compiled = mixer(sources, out_norm=norm)
+    assert torch.equal(compiled, eager)
