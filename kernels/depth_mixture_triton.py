@@ -201,7 +201,9 @@ def depth_mixture_fwd_kernel(srcs, w, h, a_out, r_out, gamma, rho_out, N, D, eps
                 col_in = cols < D
                 mask = row_in[:, None] & col_in[None, :]
                 gam = tl.load(gamma + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
-                y = _load_tile(h, base, cols, mask) * rho[:, None] * gam
+                # .cg: from L2, past this SM's L1, which need not hold what the other warps wrote
+                h_hat = tl.load(h + base[:, None] + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+                y = h_hat.to(tl.float32) * rho[:, None] * gam
                 tl.store(h + base[:, None] + cols[None, :], y.to(h.dtype.element_ty), mask=mask)
 
 

@@ -318,7 +318,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "tl.sum(y_grad * h_hat * rho[:, None], axis=0)", "tl.sum(y_grad * h_hat, axis=0)",
            "the pre-norm gain's gradient without the inverse rms"),
     Mutant("attnres-kernel-prenorm-not-normalised", MIXTURE_KERNEL,
-           "y = _load_tile(h, base, cols, mask) * rho[:, None] * gam", "y = _load_tile(h, base, cols, mask) * gam",
+           "y = h_hat.to(tl.float32) * rho[:, None] * gam", "y = h_hat.to(tl.float32) * gam",
            "the fused pre-norm scales the mixture by its gain only"),
     Mutant("attnres-block-off-by-one", RES, "(layer_idx + 1) % block_size == 0", "layer_idx % block_size == 0",
            "blocks close one layer early"),
