@@ -524,3 +524,24 @@ def test_a_compiled_depth_mixer_applies_its_pre_norm_in_the_kernels_eagerly(smal
     mixer.compile()
     compiled = mixer(sources, out_norm=norm)
     assert torch.equal(compiled, eager)
+
+
+def test_the_pre_norm_stays_apart_when_a_weight_is_a_dtensor(small_blocks):
+    """Under tensor parallelism the norms' and mixers' weights are DTensors, whose local pieces only
+    the module's own call sees (moe_lc.parallel.local_params): ``fuses_norm`` then says no, and the
+    norm runs in its own call. One process, a mesh of one."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mixer, sources = mixer_and_sources("triton")
+    mixer.fused_norm = True
+    norm = RMSNorm(D, NORM_EPS).to(DEVICE)
+    assert mixer.fuses_norm(norm, sources)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh(DEVICE, (1,))
+        norm.weight = torch.nn.Parameter(distribute_tensor(norm.weight.detach(), mesh, [Replicate()]))
+        assert not mixer.fuses_norm(norm, sources)
+    finally:
+        dist.destroy_process_group()

@@ -266,6 +266,24 @@ def test_compiled_moe_glue_keeps_the_expert_outputs_not_their_fp32_copy():
     assert not gpu_execution_path(layout(1), RegionalCompile(enabled=True, targets=["norms"])).compiled_moe
 
 
+def test_the_fused_pre_norms_are_counted_only_where_the_model_fuses_them():
+    """``attn_res.fused_norm`` changes the plan's activations on one GPU (the mixtures' kernels keep no
+    mixture) but not under tensor parallelism (DTensor weights: the norms run apart, DepthMixer.fuses_norm)
+    nor on the reference path or with the mixture's PyTorch backend."""
+    def per_token(path, **attn_res) -> float:
+        cfg = get_preset("k3-small")
+        for key, value in attn_res.items():
+            setattr(cfg.attn_res, key, value)
+        return sum(layer.none for layer in layer_activations(cfg, path))
+
+    one_gpu, tp2 = gpu_execution_path(layout(1)), gpu_execution_path(layout(2, tp=2))
+    assert tp2.tensor_parallel and not one_gpu.tensor_parallel
+    assert per_token(one_gpu, fused_norm=True) < per_token(one_gpu)
+    assert per_token(tp2, fused_norm=True) == per_token(tp2)
+    assert per_token(one_gpu, fused_norm=True, backend="torch") == per_token(one_gpu, backend="torch")
+    assert per_token(REFERENCE_FP32, fused_norm=True) == per_token(REFERENCE_FP32)
+
+
 def test_one_process_has_no_fsdp_terms_and_a_loss_chunk_only_when_the_loss_is_chunked():
     """No FSDP wraps a one-process model: no unsharded accumulation, no gathered parameters. Its loss is
     the fused one: one chunk of at most 2**28 bf16 logits and their bf16 gradient in flight in the
