@@ -6,19 +6,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from moe_lc.model.precision import upcast
+
 __all__ = ["rms_normalised", "rms_norm"]
-
-
-def _wide(t: Tensor) -> Tensor:
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def rms_normalised(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """weight * x / sqrt(mean(x^2) + eps) over the last dim, in fp32 (fp64 stays fp64), before any cast
     back to x's dtype (a gated norm multiplies its gate in first)."""
-    xf = _wide(x)
+    xf = upcast(x)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return y * _wide(weight)
+    return y * upcast(weight)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -63,7 +63,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "RMSNorm without its eps"),
     Mutant("rmsnorm-eps-changed", RMS, "mean(-1, keepdim=True) + eps)", "mean(-1, keepdim=True) + 1e-5)",
            "RMSNorm eps 1e-5 instead of the configured 1e-6"),
-    Mutant("rmsnorm-weight-dropped", RMS, "return y * _wide(weight)", "return y",
+    Mutant("rmsnorm-weight-dropped", RMS, "return y * upcast(weight)", "return y",
            "RMSNorm ignores its learned weight"),
     Mutant("rmsnorm-sum-not-mean", RMS, "xf.pow(2).mean(-1", "xf.pow(2).sum(-1", "RMSNorm divides by the norm, not the RMS"),
     Mutant("l2norm-eps-changed", KDA_PROJ, "L2NORM_EPS = 1e-6", "L2NORM_EPS = 1e-4", "L2 norm of q/k with eps 1e-4"),
