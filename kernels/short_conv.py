@@ -28,9 +28,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # 128 x 64 at 4 warps: f+b 0.63 ms (64 x 64 at 8 warps everywhere: 0.92; torch: 5.57). The fwd_*
 # choices also launch the SiLU backward kernel.
 # MOE_LC_SHORT_CONV_TUNING="key=value,..." overrides (a choice tried in a whole step: benchmarks/bench_ab.py).
-# fwd_cfirst / bwd_cfirst = 1 order the grid channel blocks first (programs launched together read
-# one row's neighbouring channel blocks), 0 row blocks first.
-TUNING = dict(fwd_bt=64, fwd_bc=64, fwd_warps=4, bwd_bt=128, bwd_bc=64, bwd_warps=4, fwd_cfirst=0, bwd_cfirst=0)
+TUNING = dict(fwd_bt=64, fwd_bc=64, fwd_warps=4, bwd_bt=128, bwd_bc=64, bwd_warps=4)
 TUNING.update(parse_launch_choices(os.environ.get("MOE_LC_SHORT_CONV_TUNING", ""), TUNING, "short conv"))
 
 
@@ -41,15 +39,6 @@ def _blocks(T: int, C: int, prefix: str) -> tuple[int, int, int]:
     bt = min(TUNING[f"{prefix}_bt"], triton.next_power_of_2(T))
     bc = min(TUNING[f"{prefix}_bc"], triton.next_power_of_2(C))
     return bt, bc, TUNING[f"{prefix}_warps"]
-
-
-def _grid(T: int, C: int, B: int, bt: int, bc: int, prefix: str) -> tuple[tuple[int, int, int], bool]:
-    """(grid, CFIRST) of a launch over [B, T, C] in [bt, bc] tiles, in the order TUNING names."""
-    import triton
-
-    cfirst = bool(TUNING[f"{prefix}_cfirst"])
-    t_blocks, c_blocks = triton.cdiv(T, bt), triton.cdiv(C, bc)
-    return ((c_blocks, t_blocks, B) if cfirst else (t_blocks, c_blocks, B)), cfirst
 
 
 def _pieces(t: Tensor, pieces: int) -> list[Tensor]:
@@ -70,11 +59,10 @@ class _ShortConvFunction(torch.autograd.Function):
         width = C // pieces
         ys = [x.new_empty(B, T, width) for _ in range(pieces)]
         bt, bc, warps = _blocks(T, width, "fwd")
-        grid, cfirst = _grid(T, width, B, bt, bc, "fwd")
         for xg, wg, y in zip(_pieces(x, pieces), weight.split(width), ys):  # one launch per group
-            kt.short_conv_fwd_kernel[grid](
+            kt.short_conv_fwd_kernel[(triton.cdiv(T, bt), triton.cdiv(width, bc), B)](
                 xg, wg, pos if pos is not None else x, y, T, width, C, width, W=W, BT=bt, BC=bc,
-                HAS_DOCS=pos is not None, SILU=silu, CFIRST=cfirst, num_warps=warps)
+                HAS_DOCS=pos is not None, SILU=silu, num_warps=warps)
         ctx.save_for_backward(x, weight, pos)
         ctx.silu, ctx.pieces = silu, pieces
         return ys[0] if pieces == 1 else tuple(ys)
@@ -100,21 +88,18 @@ class _ShortConvFunction(torch.autograd.Function):
             # output gradient and writes its channels of dy (no concatenation of the groups).
             dy = torch.empty_like(x)
             bt, bc, warps = _blocks(T, width, "fwd")
-            grid, cfirst = _grid(T, width, B, bt, bc, "fwd")
             for xg, wg, dout, dyg in zip(_pieces(x, ctx.pieces), weight.split(width), douts, _pieces(dy, ctx.pieces)):
-                kt.short_conv_bwd_silu_kernel[grid](
+                kt.short_conv_bwd_silu_kernel[(triton.cdiv(T, bt), triton.cdiv(width, bc), B)](
                     xg, wg, pos_arg, dout, dyg, T, width, C, width, W=W, BT=bt, BC=bc, HAS_DOCS=has_docs,
-                    CFIRST=cfirst, num_warps=warps)
+                    num_warps=warps)
         else:
             dy = torch.cat(douts, dim=-1).to(x.dtype)
         bt, bc, warps = _blocks(T, C, "bwd")
         t_blocks = triton.cdiv(T, bt)
         dx = torch.empty_like(x)
         dw_part = torch.empty(B * t_blocks, W, C, device=x.device, dtype=torch.float32)
-        grid, cfirst = _grid(T, C, B, bt, bc, "bwd")
-        kt.short_conv_bwd_kernel[grid](
-            x, weight, pos_arg, dy, dx, dw_part, T, C, W=W, BT=bt, BC=bc, HAS_DOCS=has_docs, CFIRST=cfirst,
-            num_warps=warps)
+        kt.short_conv_bwd_kernel[(t_blocks, triton.cdiv(C, bc), B)](
+            x, weight, pos_arg, dy, dx, dw_part, T, C, W=W, BT=bt, BC=bc, HAS_DOCS=has_docs, num_warps=warps)
         dweight = dw_part.sum(0).t().contiguous().to(weight.dtype)
         return dx, dweight, None, None, None
 

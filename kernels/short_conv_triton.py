@@ -5,9 +5,7 @@ coalesced segment of BC channels). dy and dx are contiguous; x's rows are XS ele
 y's (forward) or dout's (SiLU backward) YS apart: a launch over a group of C channels of a wider
 x writes (or reads) that group's own contiguous tensor. weight is contiguous [C, W]; ``pos`` is
 the int32 [T] position of each token in its document (read only when HAS_DOCS). Every program owns a [BT, BC] tile of one
-batch row: grid (cdiv(T, BT), cdiv(C, BC), B), or (cdiv(C, BC), cdiv(T, BT), B) with CFIRST, so that
-programs launched together read neighbouring channel blocks of the same rows rather than the same
-channels of neighbouring rows. The W shifted tiles a program loads overlap in all
+batch row: grid (cdiv(T, BT), cdiv(C, BC), B). The W shifted tiles a program loads overlap in all
 but W - 1 rows, so x is read from DRAM about once; the rest hits L1/L2.
 
 Tap j (0 <= j < W) pairs y[t] with x[t - j] and weight[c, W-1-j]; it is valid when t - j >= 0 and
@@ -19,15 +17,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def _tile_ids(CFIRST: tl.constexpr):
-    """(row block, channel block) of this program: the grid's first axis is the faster one."""
-    if CFIRST:
-        return tl.program_id(1), tl.program_id(0)
-    else:
-        return tl.program_id(0), tl.program_id(1)
 
 
 @triton.jit
@@ -55,11 +44,10 @@ def _positions(pos, t, t_in, HAS_DOCS: tl.constexpr):
 
 @triton.jit
 def short_conv_fwd_kernel(x, w, pos, y, T, C, XS, YS, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                          HAS_DOCS: tl.constexpr, SILU: tl.constexpr, CFIRST: tl.constexpr):
+                          HAS_DOCS: tl.constexpr, SILU: tl.constexpr):
     """y = act(conv(x)) in y's dtype; the pre-activation is not stored (the backward recomputes it)."""
-    pid_t, pid_c = _tile_ids(CFIRST)
-    t = pid_t * BT + tl.arange(0, BT)
-    c = pid_c * BC + tl.arange(0, BC)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
     row0 = tl.program_id(2) * T
     t_in = t < T
     c_in = c < C
@@ -73,12 +61,11 @@ def short_conv_fwd_kernel(x, w, pos, y, T, C, XS, YS, W: tl.constexpr, BT: tl.co
 
 @triton.jit
 def short_conv_bwd_silu_kernel(x, w, pos, dout, dy, T, C, XS, YS, W: tl.constexpr, BT: tl.constexpr,
-                               BC: tl.constexpr, HAS_DOCS: tl.constexpr, CFIRST: tl.constexpr):
+                               BC: tl.constexpr, HAS_DOCS: tl.constexpr):
     """dy = dout * silu'(y) with y recomputed: silu'(y) = s (1 + y (1 - s)), s = sigmoid(y); dy's rows
     XS apart (x's), dout's YS apart."""
-    pid_t, pid_c = _tile_ids(CFIRST)
-    t = pid_t * BT + tl.arange(0, BT)
-    c = pid_c * BC + tl.arange(0, BC)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
     row0 = tl.program_id(2) * T
     t_in = t < T
     c_in = c < C
@@ -93,19 +80,19 @@ def short_conv_bwd_silu_kernel(x, w, pos, dout, dy, T, C, XS, YS, W: tl.constexp
 
 @triton.jit
 def short_conv_bwd_kernel(x, w, pos, dy, dx, dw_part, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                          HAS_DOCS: tl.constexpr, CFIRST: tl.constexpr):
+                          HAS_DOCS: tl.constexpr):
     """dx[t] = sum_j weight[c, W-1-j] dy[t+j] over valid taps of t+j, and this program's share of
     dweight[c, W-1-j] = sum_t dy[t] x[t-j] into dw_part[program along (B, T), W-1-j, c] (fp32)."""
-    pid_t, pid_c = _tile_ids(CFIRST)
+    pid_t = tl.program_id(0)
     t = pid_t * BT + tl.arange(0, BT)
-    c = pid_c * BC + tl.arange(0, BC)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
     row0 = tl.program_id(2) * T
     t_in = t < T
     c_in = c < C
     p = _positions(pos, t, t_in, HAS_DOCS)
     offs = (row0 + t).to(tl.int64)[:, None] * C + c[None, :]
     g = tl.load(dy + offs, mask=t_in[:, None] & c_in[None, :], other=0.0).to(tl.float32)
-    part = dw_part + (tl.program_id(2) * tl.cdiv(T, BT) + pid_t).to(tl.int64) * (W * C)
+    part = dw_part + (tl.program_id(2) * tl.num_programs(0) + pid_t).to(tl.int64) * (W * C)
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(W):
         wj = tl.load(w + c * W + (W - 1 - j), mask=c_in, other=0.0).to(tl.float32)
