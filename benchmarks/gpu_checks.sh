@@ -31,17 +31,14 @@ S=curriculum.stages.ctx8k
 # the whole suite, GPU-only tests included, spread over TEST_WORKERS processes (pytest-xdist;
 # about 5 minutes with 14 on a 16-core H200 machine, docs/testing.md)
 step gpu_tests python -m pytest -q -rfEs -p no:cacheprovider -n "${TEST_WORKERS:-14}" tests
-# the sublayers' pre-norms in the depth mixture's kernels (attn_res.fused_norm, off by default until
-# these have run, docs/performance.md §12.16): the kernels' tests, the mixture with its norm apart and
-# fused, the step interleaved at k3-small's layers (8 of 20: an H100 holds it), the losses against the plain path
+# the sublayers' pre-norms in the depth mixture's kernels (attn_res.fused_norm, on by default,
+# docs/performance.md §12.16): the kernels' tests, the mixture with its norm apart and fused, and the
+# step interleaved with the norms apart at k3-small's layers (8 of 20: an H100 holds it); `compare_paths`
+# below checks the losses with it on
 step prenorm_tests python -m pytest -q -rfEs -p no:cacheprovider tests/test_depth_mixture.py
 step prenorm_kernels python benchmarks/bench_depth_mixture.py --pre-norm --sources 4,7
-step ab_prenorm python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 2 --steps 6 --warmup 3 \
-    --variant apart= --variant fused=model.attn_res.fused_norm=true --out "$OUT/ab_prenorm.json"
-step compare_paths_prenorm python benchmarks/compare_paths.py --recipe proxy-8k --steps 20 \
-    curriculum.stages.ctx8k.global_batch_tokens=16384 curriculum.stages.ctx8k.micro_batch=1 \
-    +curriculum.stages.ctx8k.activation_checkpointing.kda_states=true model.attn_res.fused_norm=true \
-    --out "$OUT/compare_paths_prenorm.json"
+step ab_prenorm python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 2 --steps 5 --warmup 3 \
+    --variant apart=model.attn_res.fused_norm=false --variant fused= --out "$OUT/ab_prenorm.json"
 # the fused router and counting sort (moe.router_backend, off by default: no faster on an H100 at
 # k3-small's layers, docs/performance.md §12.10): their tests, the step interleaved against the
 # default on an H200 at all 20 layers, and the losses against the plain path with them on

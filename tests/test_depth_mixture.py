@@ -460,10 +460,11 @@ def test_the_stream_fuses_the_pre_norm_only_where_the_kernels_take_it(small_bloc
     mixer, sources = mixer_and_sources("triton")
     norm = RMSNorm(D, NORM_EPS).to(DEVICE)
     stream = ResidualStream("full", tuple(s.detach().float() for s in sources))
+    assert mixer.fused_norm and mixer.fuses_norm(norm, list(stream.sources))  # the option is on by default
+    mixer.fused_norm = False
+    assert not mixer.fuses_norm(norm, list(stream.sources))
     apart = stream.normed_input(mixer, norm)
-    assert not mixer.fuses_norm(norm, list(stream.sources))  # the option is off by default
     mixer.fused_norm = True
-    assert mixer.fuses_norm(norm, list(stream.sources))
     assert not mixer.fuses_norm(norm, list(stream.sources[:1]))  # one source: no mixture
     assert not mixer.fuses_norm(GatedRMSNorm(D).to(DEVICE), list(stream.sources))  # a gated norm is not this one
     calls = []

@@ -218,7 +218,7 @@ COMMANDS: dict[str, object] = {
         "python benchmarks/bench_depth_mixture.py --sources 4,7 "
         '--variants "fwd_block_d=512,bwd_block_d=512;l2_budget=41943040"',
         "python benchmarks/bench_depth_mixture.py --pre-norm --sources 4,7",
-        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 2 --steps 6 --warmup 3 --variant apart= "
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 2 --steps 5 --warmup 3 --variant apart= "
         "--variant fused=model.attn_res.fused_norm=true",
         'moe-lc bench k3-small-8k "curriculum.stages.ctx8k.activation_checkpointing={mode: none}" --steps 3 --warmup 2',
     )},

@@ -55,7 +55,7 @@ class DepthMixer(nn.Module):
     ``fused_norm``: the pre-norm that reads the mixture may run in the mixture's kernels
     (``fuses_norm``)."""
 
-    def __init__(self, d_model: int, eps: float = 1e-6, backend: str = "auto", fused_norm: bool = False) -> None:
+    def __init__(self, d_model: int, eps: float = 1e-6, backend: str = "auto", fused_norm: bool = True) -> None:
         super().__init__()
         self.query = nn.Parameter(torch.zeros(d_model))
         self.norm = _MixerNorm(d_model, eps, backend)

@@ -77,6 +77,7 @@ class ExecutionPath:
     fused: bool  # Triton KDA and short convolution, CUDA attention (else the torch reference ops)
     compiled_moe: bool = False  # the MoE glue under regional compile (``compile.targets``' "moe")
     tensor_parallel: bool = False  # DTensor weights: the pre-norms stay out of the mixtures' kernels
+    compiled_norms: bool = False  # the RMSNorms under regional compile (``compile.targets``' "norms")
 
 
 REFERENCE_FP32 = ExecutionPath(act=4, stream=4, casts=False, fused=False)  # CPU, fp32
@@ -99,7 +100,9 @@ def gpu_execution_path(layout: ParallelLayout, compile: Optional[RegionalCompile
     path = replace(path, tensor_parallel=layout.tp > 1)
     if compile is not None:
         resolved = compile.resolve("cuda", layout.world_size, layout.tp)
-        path = replace(path, compiled_moe=resolved.enabled is True and CompileTarget.moe in resolved.targets)
+        compiled = resolved.enabled is True
+        path = replace(path, compiled_moe=compiled and CompileTarget.moe in resolved.targets,
+                       compiled_norms=compiled and CompileTarget.norms in resolved.targets)
     return path
 
 
@@ -292,12 +295,26 @@ class LayerActivations:
 def _sublayer_input(t: _Tally, cfg: ModelConfig, sources: int, stream_bytes: int, readers: int,
                     path: ExecutionPath) -> None:
     """The AttnRes mixture over ``sources`` (when there is more than one) and the norm that reads it
-    (in the mixture's kernels where ``fuses_pre_norms``)."""
+    (in the mixture's kernels where ``fuses_pre_norms``: with the norms compiled, the norm apart less
+    the mixture it keeps; with eager norms, everything the norm apart keeps beyond its output)."""
     d = cfg.d_model
-    if sources > 1 and fuses_pre_norms(cfg, path):
+    if sources > 1 and fuses_pre_norms(cfg, path) and path.compiled_norms:
+        # What the norm apart keeps is counted as an eager norm's (the whole model's plan is calibrated
+        # so, docs/performance.md §12.4); compiled, it really keeps the mixture and its inverse rms,
+        # which the kernels replace by theirs: one mixture of stream_bytes a value fewer, as measured
+        # (§12.16: 1.0 GiB of k3-small's 8-layer step, 16 mixtures of 16K tokens, d 2048, bf16)
+        _mixture_then_norm(t, d, sources, stream_bytes, readers, path)
+        t.saved(-stream_bytes * d)
+    elif sources > 1 and fuses_pre_norms(cfg, path):
         t.saved(2 * FP32 * sources + FP32)  # mixture weights and inverse rms per source, the output's inverse rms
         _norm_output(t, d, stream_bytes, path, readers)  # the mixture itself is neither stored nor kept
-    elif sources > 1:
+    else:
+        _mixture_then_norm(t, d, sources, stream_bytes, readers, path)
+
+
+def _mixture_then_norm(t: _Tally, d: int, sources: int, stream_bytes: int, readers: int, path: ExecutionPath) -> None:
+    """The mixture's kernels, then the norm apart (a single source: the norm alone)."""
+    if sources > 1:
         t.saved(2 * FP32 * sources)  # mixture weights and inverse rms per source
         if _norm(t, d, stream_bytes, path, readers):
             t.saved(stream_bytes * d)  # the mixture itself, the norm's input
