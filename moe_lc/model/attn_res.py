@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from moe_lc.model.norm import RMSNorm
 from moe_lc.ops.depth_mixture import GradientSum, depth_mixture, resolve_backend
+from moe_lc.ops.stacked_linear import plain_tensor
 
 
 class _MixerNorm(RMSNorm):
@@ -41,11 +42,6 @@ class _MixerNorm(RMSNorm):
                 sums: Optional[list[GradientSum]] = None,
                 out_norm: Optional[tuple[Tensor, float]] = None) -> Tensor:
         return depth_mixture(sources, query, self.weight, self.eps, self.backend, sums, out_norm)
-
-
-def _plain(t: Tensor) -> bool:
-    """A parameter as the model holds it, not a DTensor that tensor parallelism's hooks would swap."""
-    return type(t) in (nn.Parameter, Tensor)
 
 
 class DepthMixer(nn.Module):
@@ -73,7 +69,7 @@ class DepthMixer(nn.Module):
         if not self.fused_norm or len(sources) < 2 or type(out_norm) is not RMSNorm:
             return False
         weights = (self.query, self.norm.weight, out_norm.weight)
-        if not all(_plain(w) for w in weights):
+        if not all(plain_tensor(w) for w in weights):
             return False
         return resolve_backend(sources, self.query, self.norm.weight, self.norm.backend, out_norm.weight) == "triton"
 

@@ -35,6 +35,7 @@ from moe_lc.model.norm import RMSNorm
 from moe_lc.model.precision import upcast
 from moe_lc.ops.documents import DocumentBounds
 from moe_lc.ops.linear_cross_entropy import linear_cross_entropy
+from moe_lc.ops.stacked_linear import plain_tensor
 
 IGNORE_INDEX = -100
 
@@ -183,7 +184,7 @@ class MoELCModel(nn.Module):
         over a DTensor, nor a torchao ``Float8Linear``) and ``lm_loss`` is this class's own."""
         head = self.lm_head
         return (self.fused_loss and type(head) is nn.Linear and head.bias is None
-                and type(head.weight) in (nn.Parameter, torch.Tensor) and self._loss_is_own())
+                and plain_tensor(head.weight) and self._loss_is_own())
 
     def _loss_is_own(self) -> bool:
         """``lm_loss`` is the method, or a function set on the instance around it (the profiler's

@@ -34,10 +34,16 @@ class _StackedLinear(torch.autograd.Function):
         return dx, *dw.split([w.shape[0] for w in weights])
 
 
+def plain_tensor(t: Tensor) -> bool:
+    """A tensor (or parameter) over a plain tensor, not tensor parallelism's DTensor, whose local piece
+    only the module's own call sees: what a kernel that takes the module's weights directly can read."""
+    return type(t.data) is torch.Tensor
+
+
 def stackable(module: torch.nn.Module, types: tuple[type, ...] = (torch.nn.Linear,)) -> bool:
     """A module whose weight can be stacked with others: one of ``types`` exactly (not a float8
     linear, which computes differently) over a plain tensor (not tensor parallelism's DTensor)."""
-    return type(module) in types and type(module.weight.data) is torch.Tensor
+    return type(module) in types and plain_tensor(module.weight)
 
 
 def stacked_linear(x: Tensor, weights: list[Tensor]) -> Tensor:
