@@ -298,18 +298,18 @@ def _sublayer_input(t: _Tally, cfg: ModelConfig, sources: int, stream_bytes: int
     (in the mixture's kernels where ``fuses_pre_norms``: with the norms compiled, the norm apart less
     the mixture it keeps; with eager norms, everything the norm apart keeps beyond its output)."""
     d = cfg.d_model
-    if sources > 1 and fuses_pre_norms(cfg, path) and path.compiled_norms:
+    fused = sources > 1 and fuses_pre_norms(cfg, path)
+    if fused and not path.compiled_norms:
+        t.saved(2 * FP32 * sources + FP32)  # mixture weights and inverse rms per source, the output's inverse rms
+        _norm_output(t, d, stream_bytes, path, readers)  # the mixture itself is neither stored nor kept
+        return
+    _mixture_then_norm(t, d, sources, stream_bytes, readers, path)
+    if fused:
         # What the norm apart keeps is counted as an eager norm's (the whole model's plan is calibrated
         # so, docs/performance.md §12.4); compiled, it really keeps the mixture and its inverse rms,
         # which the kernels replace by theirs: one mixture of stream_bytes a value fewer, as measured
         # (§12.16: 1.0 GiB of k3-small's 8-layer step, 16 mixtures of 16K tokens, d 2048, bf16)
-        _mixture_then_norm(t, d, sources, stream_bytes, readers, path)
         t.saved(-stream_bytes * d)
-    elif sources > 1 and fuses_pre_norms(cfg, path):
-        t.saved(2 * FP32 * sources + FP32)  # mixture weights and inverse rms per source, the output's inverse rms
-        _norm_output(t, d, stream_bytes, path, readers)  # the mixture itself is neither stored nor kept
-    else:
-        _mixture_then_norm(t, d, sources, stream_bytes, readers, path)
 
 
 def _mixture_then_norm(t: _Tally, d: int, sources: int, stream_bytes: int, readers: int, path: ExecutionPath) -> None:
