@@ -166,8 +166,12 @@ def print_table(rows: list[dict], copy: Optional[float]) -> None:
               f"{r['fwd_gbps']:9.0f} {r['bwd_gbps']:9.0f} {r['fwd_bwd_gbps']:9.0f}  {diff}")
 
 
-def pre_norm_rows(S: int, N: int, d: int, device: torch.device, time_ms, compile_norm: bool) -> list[dict]:
-    """The mixture and its pre-norm, apart (eager, compiled norm) and in one set of kernels (``--pre-norm``)."""
+def pre_norm_rows(S: int, N: int, d: int, device: torch.device, time_ms, compile_norm: bool,
+                  variants: list[tuple[str, dict]]) -> list[dict]:
+    """The mixture and its pre-norm, apart (eager, compiled norm) and in one set of kernels (``--pre-norm``),
+    the last once more for each of ``variants`` (TUNING overrides)."""
+    import moe_lc_kernels.depth_mixture as kernels
+
     from moe_lc.model.norm import RMSNorm
     from moe_lc.ops.depth_mixture import depth_mixture
 
@@ -187,10 +191,22 @@ def pre_norm_rows(S: int, N: int, d: int, device: torch.device, time_ms, compile
     reference = run_once(calls["mixture, then the norm eager"], *inputs)
     gb = pass_bytes(sources, torch.bfloat16)
     rows = []
-    for name, call in calls.items():
-        row = dict(S=S, variant=name, diff=relative_diffs(run_once(call, *inputs), reference))
-        row.update(time_variant(call, inputs, time_ms, gb))
+    defaults = dict(kernels.TUNING)
+    fused = "the norm in the mixture's kernels"
+    runs = [(name, call, {}) for name, call in calls.items()]
+    runs += [(f"{fused} [{label}]", calls[fused], overrides) for label, overrides in variants if label]
+    for name, call, overrides in runs:
+        kernels.TUNING.clear()
+        kernels.TUNING.update(defaults, **overrides)
+        row = dict(S=S, variant=name)
+        try:
+            row["diff"] = relative_diffs(run_once(call, *inputs), reference)
+            row.update(time_variant(call, inputs, time_ms, gb))
+        except Exception as e:  # one bad launch choice must not lose the other rows
+            row["failed"] = f"{type(e).__name__}: {e}"[:200]
         rows.append(row)
+    kernels.TUNING.clear()
+    kernels.TUNING.update(defaults)
     return rows
 
 
@@ -225,12 +241,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.pre_norm:
         compile_norm = not args.no_compile and device.type == "cuda"
         for S in (int(s) for s in args.sources.split(",")):
-            rows += pre_norm_rows(S, args.tokens, args.d, device, time_ms, compile_norm)
+            rows += pre_norm_rows(S, args.tokens, args.d, device, time_ms, compile_norm, variants)
         print(f"N = {args.tokens} tokens, d = {args.d}, every source bf16, then an RMSNorm; GB/s against the "
               f"mixture's own bytes; TUNING {defaults}")
         print_table(rows, copy)
         print(f"{time.perf_counter() - started:.0f} s in all (compilations included)")
-        return 0
+        return 1 if any("failed" in r for r in rows) else 0
     for S in (int(s) for s in args.sources.split(",")):
         inputs = make_inputs(S, args.tokens, args.d, device)
         gb = pass_bytes(inputs[0], torch.float32)

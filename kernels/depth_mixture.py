@@ -17,10 +17,13 @@ public entry point: it checks the inputs and picks these kernels or its PyTorch 
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
+
+from moe_lc_kernels.tuning import parse_launch_choices
 
 # The kernels unroll over the sources (one tuple argument of S pointers, depth_mixture_triton.py):
 # code size and compile time grow with S. 32 covers block mode and "full" mode up to 15 layers.
@@ -41,8 +44,32 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # and four warps 0.918 / 1.551 (2 and 2: 0.751 / 1.397; 8 and 8: 1.023 / 1.633); four rows with
 # a fixed grid of 1,056 programs 0.832 / 1.074, with a 64 MiB budget 0.828 / 1.314, 20 MiB
 # 1.196 / 2.064; the compiled PyTorch reference 1.012 / 1.699 (docs/performance.md §12.3).
+# ``resident_max_d``: rows of at most this many columns (rounded up to a power of two) run the
+# resident kernels instead (a whole row of every tensor in registers, each read from memory once;
+# 0: never), at ``resident_cols_per_warp`` columns a warp and ``resident_per_sm`` programs an SM.
 TUNING = dict(fwd_rows=1, fwd_block_d=256, fwd_warps=1, bwd_rows=1, bwd_block_d=256, bwd_warps=1,
-              l2_budget=40 << 20, programs=None)
+              l2_budget=40 << 20, programs=None, resident_max_d=0, resident_cols_per_warp=256,
+              resident_per_sm=2)
+# MOE_LC_DEPTH_MIXTURE_TUNING="key=value,..." overrides (a choice tried in a whole step: benchmarks/bench_ab.py;
+# programs=0 sizes the grid as None does).
+TUNING.update(parse_launch_choices(os.environ.get("MOE_LC_DEPTH_MIXTURE_TUNING", ""), TUNING, "depth mixture"))
+if TUNING["programs"] == 0:
+    TUNING["programs"] = None
+
+
+def _resident_shape(N: int, D: int, device: torch.device) -> Optional[tuple[int, int, int]]:
+    """(programs, BLOCK, warps) of the resident kernels where a row fits them (``resident_max_d``), else None."""
+    import triton
+
+    block = triton.next_power_of_2(D)
+    if block > TUNING["resident_max_d"]:
+        return None
+    warps = max(1, min(16, block // TUNING["resident_cols_per_warp"]))
+    programs = TUNING["programs"]
+    if programs is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        programs = sms * TUNING["resident_per_sm"]
+    return max(1, min(programs, N)), block, warps
 
 
 def _launch_shape(N: int, D: int, row_bytes: int, device: torch.device, prefix: str) -> tuple[int, int, int, int]:
@@ -108,11 +135,17 @@ class _DepthMixtureFunction(torch.autograd.Function):
         inv_rms = torch.empty_like(a)
         norm = out_gain is not None
         rho = torch.empty(N, device=device, dtype=torch.float32) if norm else None
-        programs, rows, block_d, warps = _launch_shape(N, D, _row_bytes(D, sources), device, "fwd")
-        # without NORM the kernel never touches gamma and rho: any tensor stands in for them
-        kt.depth_mixture_fwd_kernel[(programs,)](
-            tuple(sources), _folded_query(query, norm_weight), h, a, inv_rms, out_gain if norm else a,
-            rho if norm else a, N, D, eps, out_eps, S=S, ROWS=rows, BLOCK_D=block_d, NORM=norm, num_warps=warps)
+        # without NORM the kernels never touch gamma and rho: any tensor stands in for them
+        args = (tuple(sources), _folded_query(query, norm_weight), h, a, inv_rms, out_gain if norm else a,
+                rho if norm else a, N, D, eps, out_eps)
+        resident = _resident_shape(N, D, device)
+        if resident is not None:
+            programs, block, warps = resident
+            kt.depth_mixture_fwd_resident_kernel[(programs,)](*args, S=S, BLOCK=block, NORM=norm, num_warps=warps)
+        else:
+            programs, rows, block_d, warps = _launch_shape(N, D, _row_bytes(D, sources), device, "fwd")
+            kt.depth_mixture_fwd_kernel[(programs,)](*args, S=S, ROWS=rows, BLOCK_D=block_d, NORM=norm,
+                                                     num_warps=warps)
         ctx.save_for_backward(query, norm_weight, a, inv_rms, out_gain if norm else None, rho, *sources)
         ctx.sums = sums
         ctx.hands_over = None if sums is None else tuple(total.claim() for total in sums)
@@ -130,14 +163,24 @@ class _DepthMixtureFunction(torch.autograd.Function):
         totals = [None if total is None else total.total for total in sums]
         dsources = tuple(torch.empty_like(v) if t is None else t for v, t in zip(sources, totals))
         add_to = sum(1 << i for i, t in enumerate(totals) if t is not None)
-        programs, rows, block_d, warps = _launch_shape(N, D, _row_bytes(D, [grad, *sources]), grad.device, "bwd")
-        part = torch.zeros(programs, D, device=grad.device, dtype=torch.float32)
         norm = out_gain is not None
-        part2 = torch.zeros(programs, D, device=grad.device, dtype=torch.float32) if norm else part
-        kt.depth_mixture_bwd_kernel[(programs,)](
-            tuple(sources), dsources, grad, _folded_query(query, norm_weight), a, inv_rms, part,
-            out_gain if norm else part, rho if norm else a, part2, N, D,
-            S=S, ROWS=rows, BLOCK_D=block_d, ADD_TO=add_to, NORM=norm, num_warps=warps)
+        resident = _resident_shape(N, D, grad.device)
+        if resident is not None:  # each program writes its rows of the partial sums whole
+            programs, block, warps = resident
+            part = torch.empty(programs, D, device=grad.device, dtype=torch.float32)
+            part2 = torch.empty_like(part) if norm else part
+        else:  # each program adds into its rows of the partial sums
+            programs, rows, block_d, warps = _launch_shape(N, D, _row_bytes(D, [grad, *sources]), grad.device, "bwd")
+            part = torch.zeros(programs, D, device=grad.device, dtype=torch.float32)
+            part2 = torch.zeros(programs, D, device=grad.device, dtype=torch.float32) if norm else part
+        args = (tuple(sources), dsources, grad, _folded_query(query, norm_weight), a, inv_rms, part,
+                out_gain if norm else part, rho if norm else a, part2, N, D)
+        if resident is not None:
+            kt.depth_mixture_bwd_resident_kernel[(programs,)](*args, S=S, BLOCK=block, ADD_TO=add_to, NORM=norm,
+                                                              num_warps=warps)
+        else:
+            kt.depth_mixture_bwd_kernel[(programs,)](*args, S=S, ROWS=rows, BLOCK_D=block_d, ADD_TO=add_to, NORM=norm,
+                                                     num_warps=warps)
         weighted = part.sum(0)  # sum over tokens and sources of dl_i u_i
         d_query = (weighted * norm_weight.float()).to(query.dtype) if ctx.needs_input_grad[0] else None
         d_norm = (weighted * query.float()).to(norm_weight.dtype) if ctx.needs_input_grad[1] else None

@@ -148,6 +148,23 @@ def _normed_source_dots(srcs, grad, w, gamma, a, rho, part2, base, row_in, D, S:
 
 
 @triton.jit
+def _softmax_weights(logits, S: tl.constexpr):
+    """softmax over a tuple of S logits (scalars, or [ROWS] vectors), as a tuple."""
+    top = logits[0]
+    for i in tl.static_range(1, S):
+        top = tl.maximum(top, logits[i])
+    exps = ()
+    total = 0.0
+    for i in tl.static_range(S):
+        exps = exps + (tl.exp(logits[i] - top),)
+        total += exps[i]
+    a = ()
+    for i in tl.static_range(S):
+        a = a + (exps[i] / total,)
+    return a
+
+
+@triton.jit
 def depth_mixture_fwd_kernel(srcs, w, h, a_out, r_out, gamma, rho_out, N, D, eps, eps2, S: tl.constexpr,
                              ROWS: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
     """h = sum_i a_i v_i in h's dtype; a and r stored for the backward (fp32 [S, N]). With NORM, ``h``
@@ -165,17 +182,8 @@ def depth_mixture_fwd_kernel(srcs, w, h, a_out, r_out, gamma, rho_out, N, D, eps
             r = 1.0 / tl.sqrt_rn(square[i] / D + eps)
             inv_rms = inv_rms + (r,)
             logits = logits + (r * dot[i],)
-        top = logits[0]
-        for i in tl.static_range(1, S):
-            top = tl.maximum(top, logits[i])
-        exps = ()
-        total = tl.zeros([ROWS], dtype=tl.float32)
+        a = _softmax_weights(logits, S)
         for i in tl.static_range(S):
-            exps = exps + (tl.exp(logits[i] - top),)
-            total += exps[i]
-        a = ()
-        for i in tl.static_range(S):
-            a = a + (exps[i] / total,)
             tl.store(a_out + i * N + rows, a[i], mask=row_in)
             tl.store(r_out + i * N + rows, inv_rms[i], mask=row_in)
         # pass 2: the sources again (from L2: this program read them a moment ago), mixed tile by tile
@@ -271,3 +279,99 @@ def depth_mixture_bwd_kernel(srcs, dsrcs, grad, w, a_in, r_in, part, gamma, rho_
                 weighted += w_coef[i][:, None] * v
             total = tl.load(part_row + cols, mask=col_in, other=0.0) + tl.sum(weighted, axis=0)
             tl.store(part_row + cols, total, mask=col_in)
+
+
+# The resident kernels: a whole row of every tensor in registers (BLOCK >= D columns), so each source
+# and the output gradient are read from memory once, and the [D] partial sums of the parameter
+# gradients stay in registers across all the rows a program handles (written once, at its end). For
+# widths whose rows fit (depth_mixture.py's ``resident_max_d``): the tiled kernels above read every
+# source twice and keep their [D] partial sums in memory, read and written once per row and tile.
+
+
+@triton.jit
+def _row(ptr, base, cols, col_in):
+    """One fp32 [BLOCK] row at int64 element offset ``base``."""
+    return tl.load(ptr + base + cols, mask=col_in, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def depth_mixture_fwd_resident_kernel(srcs, w, h, a_out, r_out, gamma, rho_out, N, D, eps, eps2, S: tl.constexpr,
+                                      BLOCK: tl.constexpr, NORM: tl.constexpr):
+    """``depth_mixture_fwd_kernel``'s results, one whole row at a time (programs stride over the rows)."""
+    cols = tl.arange(0, BLOCK)
+    col_in = cols < D
+    wt = tl.load(w + cols, mask=col_in, other=0.0)
+    if NORM:
+        gam = tl.load(gamma + cols, mask=col_in, other=0.0).to(tl.float32)
+    for row in range(tl.program_id(0), N, tl.num_programs(0)):
+        base = (row + tl.zeros([], dtype=tl.int64)) * D  # int64 offsets (N * D can exceed 2^31)
+        vs = ()
+        for i in tl.static_range(S):
+            vs = vs + (_row(srcs[i], base, cols, col_in),)
+        logits = ()
+        for i in tl.static_range(S):
+            r = 1.0 / tl.sqrt_rn(tl.sum(vs[i] * vs[i], axis=0) / D + eps)
+            tl.store(r_out + i * N + row, r)
+            logits = logits + (r * tl.sum(vs[i] * wt, axis=0),)
+        a = _softmax_weights(logits, S)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in tl.static_range(S):
+            tl.store(a_out + i * N + row, a[i])
+            acc += a[i] * vs[i]
+        stored = acc.to(h.dtype.element_ty)
+        if NORM:
+            h_hat = stored.to(tl.float32)
+            rho = 1.0 / tl.sqrt_rn(tl.sum(h_hat * h_hat, axis=0) / D + eps2)
+            tl.store(rho_out + row, rho)
+            stored = (h_hat * rho * gam).to(h.dtype.element_ty)
+        tl.store(h + base + cols, stored, mask=col_in)
+
+
+@triton.jit
+def depth_mixture_bwd_resident_kernel(srcs, dsrcs, grad, w, a_in, r_in, part, gamma, rho_in, part2, N, D,
+                                      S: tl.constexpr, BLOCK: tl.constexpr, ADD_TO: tl.constexpr, NORM: tl.constexpr):
+    """``depth_mixture_bwd_kernel``'s results, one whole row at a time: ``part`` (and ``part2``) [programs, D]
+    receive each program's sums over its rows, written once (not added to: the caller need not zero them)."""
+    cols = tl.arange(0, BLOCK)
+    col_in = cols < D
+    wt = tl.load(w + cols, mask=col_in, other=0.0)
+    if NORM:
+        gam = tl.load(gamma + cols, mask=col_in, other=0.0).to(tl.float32)
+    query_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    gain_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    for row in range(tl.program_id(0), N, tl.num_programs(0)):
+        base = (row + tl.zeros([], dtype=tl.int64)) * D  # int64 offsets (N * D can exceed 2^31)
+        g = _row(grad, base, cols, col_in)
+        vs = ()
+        a = ()
+        for i in tl.static_range(S):
+            vs = vs + (_row(srcs[i], base, cols, col_in),)
+            a = a + (tl.load(a_in + i * N + row),)
+        if NORM:  # G = rho (gamma Y) - rho^3 (c / D) h^, h^ recomputed as the forward rounded it
+            rho = tl.load(rho_in + row)
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for i in tl.static_range(S):
+                acc += a[i] * vs[i]
+            h_hat = acc.to(grad.dtype.element_ty).to(tl.float32)
+            gain_sum += g * h_hat * rho
+            gy = gam * g
+            c = tl.sum(gy * h_hat, axis=0)
+            g = rho * gy - (rho * rho * rho * c / D) * h_hat
+        da = ()
+        mean = 0.0
+        for i in tl.static_range(S):
+            da = da + (tl.sum(g * vs[i], axis=0),)
+            mean += a[i] * da[i]
+        for i in tl.static_range(S):
+            r = tl.load(r_in + i * N + row)
+            wc = r * a[i] * (da[i] - mean)
+            vc = wc * r * (r * tl.sum(vs[i] * wt, axis=0)) / D
+            dv = a[i] * g + wc * wt - vc * vs[i]
+            if (ADD_TO >> i) & 1:
+                dv += _row(dsrcs[i], base, cols, col_in)
+            tl.store(dsrcs[i] + base + cols, dv.to(dsrcs[i].dtype.element_ty), mask=col_in)
+            query_sum += wc * vs[i]
+    own = tl.program_id(0).to(tl.int64) * D
+    tl.store(part + own + cols, query_sum, mask=col_in)
+    if NORM:
+        tl.store(part2 + own + cols, gain_sum, mask=col_in)

@@ -93,7 +93,8 @@ def float8_policy(cfg: TrainConfig) -> Optional[Float8Training]:
 
 
 # environment variables with kernel launch choices, and the module that reads each when it loads
-KERNEL_TUNING_VARIABLES = {"MOE_LC_KDA_TUNING": "moe_lc_kernels.kda", "MOE_LC_SHORT_CONV_TUNING": "moe_lc_kernels.short_conv"}
+KERNEL_TUNING_VARIABLES = {"MOE_LC_KDA_TUNING": "moe_lc_kernels.kda", "MOE_LC_SHORT_CONV_TUNING": "moe_lc_kernels.short_conv",
+                           "MOE_LC_DEPTH_MIXTURE_TUNING": "moe_lc_kernels.depth_mixture"}
 
 
 def check_backends_run_here(cfg: ModelConfig, device: torch.device) -> None:
