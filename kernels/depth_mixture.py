@@ -48,7 +48,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # resident kernels instead (a whole row of every tensor in registers, each read from memory once;
 # 0: never), at ``resident_cols_per_warp`` columns a warp and ``resident_per_sm`` programs an SM.
 TUNING = dict(fwd_rows=1, fwd_block_d=256, fwd_warps=1, bwd_rows=1, bwd_block_d=256, bwd_warps=1,
-              l2_budget=40 << 20, programs=None, resident_max_d=0, resident_cols_per_warp=256,
+              l2_budget=40 << 20, programs=None, resident_max_d=0, resident_rows=1, resident_cols_per_warp=256,
               resident_per_sm=2)
 # MOE_LC_DEPTH_MIXTURE_TUNING="key=value,..." overrides (a choice tried in a whole step: benchmarks/bench_ab.py;
 # programs=0 sizes the grid as None does).
@@ -57,19 +57,20 @@ if TUNING["programs"] == 0:
     TUNING["programs"] = None
 
 
-def _resident_shape(N: int, D: int, device: torch.device) -> Optional[tuple[int, int, int]]:
-    """(programs, BLOCK, warps) of the resident kernels where a row fits them (``resident_max_d``), else None."""
+def _resident_shape(N: int, D: int, device: torch.device) -> Optional[tuple[int, int, int, int]]:
+    """(programs, ROWS, BLOCK, warps) of the resident kernels where a row fits them (``resident_max_d``), else None."""
     import triton
 
     block = triton.next_power_of_2(D)
     if block > TUNING["resident_max_d"]:
         return None
-    warps = max(1, min(16, block // TUNING["resident_cols_per_warp"]))
+    rows = TUNING["resident_rows"]
+    warps = max(1, min(16, rows * block // TUNING["resident_cols_per_warp"]))
     programs = TUNING["programs"]
     if programs is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         programs = sms * TUNING["resident_per_sm"]
-    return max(1, min(programs, N)), block, warps
+    return max(1, min(programs, triton.cdiv(N, rows))), rows, block, warps
 
 
 def _launch_shape(N: int, D: int, row_bytes: int, device: torch.device, prefix: str) -> tuple[int, int, int, int]:
@@ -140,8 +141,9 @@ class _DepthMixtureFunction(torch.autograd.Function):
                 rho if norm else a, N, D, eps, out_eps)
         resident = _resident_shape(N, D, device)
         if resident is not None:
-            programs, block, warps = resident
-            kt.depth_mixture_fwd_resident_kernel[(programs,)](*args, S=S, BLOCK=block, NORM=norm, num_warps=warps)
+            programs, rows, block, warps = resident
+            kt.depth_mixture_fwd_resident_kernel[(programs,)](*args, S=S, ROWS=rows, BLOCK=block, NORM=norm,
+                                                              num_warps=warps)
         else:
             programs, rows, block_d, warps = _launch_shape(N, D, _row_bytes(D, sources), device, "fwd")
             kt.depth_mixture_fwd_kernel[(programs,)](*args, S=S, ROWS=rows, BLOCK_D=block_d, NORM=norm,
@@ -166,7 +168,7 @@ class _DepthMixtureFunction(torch.autograd.Function):
         norm = out_gain is not None
         resident = _resident_shape(N, D, grad.device)
         if resident is not None:  # each program writes its rows of the partial sums whole
-            programs, block, warps = resident
+            programs, rows, block, warps = resident
             part = torch.empty(programs, D, device=grad.device, dtype=torch.float32)
             part2 = torch.empty_like(part) if norm else part
         else:  # each program adds into its rows of the partial sums
@@ -176,8 +178,8 @@ class _DepthMixtureFunction(torch.autograd.Function):
         args = (tuple(sources), dsources, grad, _folded_query(query, norm_weight), a, inv_rms, part,
                 out_gain if norm else part, rho if norm else a, part2, N, D)
         if resident is not None:
-            kt.depth_mixture_bwd_resident_kernel[(programs,)](*args, S=S, BLOCK=block, ADD_TO=add_to, NORM=norm,
-                                                              num_warps=warps)
+            kt.depth_mixture_bwd_resident_kernel[(programs,)](*args, S=S, ROWS=rows, BLOCK=block, ADD_TO=add_to,
+                                                              NORM=norm, num_warps=warps)
         else:
             kt.depth_mixture_bwd_kernel[(programs,)](*args, S=S, ROWS=rows, BLOCK_D=block_d, ADD_TO=add_to, NORM=norm,
                                                      num_warps=warps)

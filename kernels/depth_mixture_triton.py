@@ -281,96 +281,98 @@ def depth_mixture_bwd_kernel(srcs, dsrcs, grad, w, a_in, r_in, part, gamma, rho_
             tl.store(part_row + cols, total, mask=col_in)
 
 
-# The resident kernels: a whole row of every tensor in registers (BLOCK >= D columns), so each source
-# and the output gradient are read from memory once, and the [D] partial sums of the parameter
+# The resident kernels: ROWS whole rows of every tensor in registers (BLOCK >= D columns), so each
+# source and the output gradient are read from memory once, and the [D] partial sums of the parameter
 # gradients stay in registers across all the rows a program handles (written once, at its end). For
 # widths whose rows fit (depth_mixture.py's ``resident_max_d``): the tiled kernels above read every
-# source twice and keep their [D] partial sums in memory, read and written once per row and tile.
+# source twice and keep their [D] partial sums in memory, read and written once per row block and tile.
 
 
 @triton.jit
-def _row(ptr, base, cols, col_in):
-    """One fp32 [BLOCK] row at int64 element offset ``base``."""
-    return tl.load(ptr + base + cols, mask=col_in, other=0.0).to(tl.float32)
+def _rows_tile(ptr, base, cols, mask):
+    """fp32 [ROWS, BLOCK] of the rows at int64 element offsets ``base`` [ROWS]."""
+    return tl.load(ptr + base[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def depth_mixture_fwd_resident_kernel(srcs, w, h, a_out, r_out, gamma, rho_out, N, D, eps, eps2, S: tl.constexpr,
-                                      BLOCK: tl.constexpr, NORM: tl.constexpr):
-    """``depth_mixture_fwd_kernel``'s results, one whole row at a time (programs stride over the rows)."""
+                                      ROWS: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr):
+    """``depth_mixture_fwd_kernel``'s results, ROWS whole rows at a time (programs stride over the row blocks)."""
     cols = tl.arange(0, BLOCK)
     col_in = cols < D
-    wt = tl.load(w + cols, mask=col_in, other=0.0)
+    wt = tl.load(w + cols, mask=col_in, other=0.0)[None, :]
     if NORM:
-        gam = tl.load(gamma + cols, mask=col_in, other=0.0).to(tl.float32)
-    for row in range(tl.program_id(0), N, tl.num_programs(0)):
-        base = (row + tl.zeros([], dtype=tl.int64)) * D  # int64 offsets (N * D can exceed 2^31)
+        gam = tl.load(gamma + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
+    for blk in range(tl.program_id(0), tl.cdiv(N, ROWS), tl.num_programs(0)):
+        rows, row_in, base = _row_block(blk, N, D, ROWS)
+        mask = row_in[:, None] & col_in[None, :]
         vs = ()
         for i in tl.static_range(S):
-            vs = vs + (_row(srcs[i], base, cols, col_in),)
+            vs = vs + (_rows_tile(srcs[i], base, cols, mask),)
         logits = ()
         for i in tl.static_range(S):
-            r = 1.0 / tl.sqrt_rn(tl.sum(vs[i] * vs[i], axis=0) / D + eps)
-            tl.store(r_out + i * N + row, r)
-            logits = logits + (r * tl.sum(vs[i] * wt, axis=0),)
+            r = 1.0 / tl.sqrt_rn(tl.sum(vs[i] * vs[i], axis=1) / D + eps)
+            tl.store(r_out + i * N + rows, r, mask=row_in)
+            logits = logits + (r * tl.sum(vs[i] * wt, axis=1),)
         a = _softmax_weights(logits, S)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         for i in tl.static_range(S):
-            tl.store(a_out + i * N + row, a[i])
-            acc += a[i] * vs[i]
+            tl.store(a_out + i * N + rows, a[i], mask=row_in)
+            acc += a[i][:, None] * vs[i]
         stored = acc.to(h.dtype.element_ty)
         if NORM:
             h_hat = stored.to(tl.float32)
-            rho = 1.0 / tl.sqrt_rn(tl.sum(h_hat * h_hat, axis=0) / D + eps2)
-            tl.store(rho_out + row, rho)
-            stored = (h_hat * rho * gam).to(h.dtype.element_ty)
-        tl.store(h + base + cols, stored, mask=col_in)
+            rho = 1.0 / tl.sqrt_rn(tl.sum(h_hat * h_hat, axis=1) / D + eps2)
+            tl.store(rho_out + rows, rho, mask=row_in)
+            stored = (h_hat * rho[:, None] * gam).to(h.dtype.element_ty)
+        tl.store(h + base[:, None] + cols[None, :], stored, mask=mask)
 
 
 @triton.jit
 def depth_mixture_bwd_resident_kernel(srcs, dsrcs, grad, w, a_in, r_in, part, gamma, rho_in, part2, N, D,
-                                      S: tl.constexpr, BLOCK: tl.constexpr, ADD_TO: tl.constexpr, NORM: tl.constexpr):
-    """``depth_mixture_bwd_kernel``'s results, one whole row at a time: ``part`` (and ``part2``) [programs, D]
+                                      S: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, ADD_TO: tl.constexpr,
+                                      NORM: tl.constexpr):
+    """``depth_mixture_bwd_kernel``'s results, ROWS whole rows at a time: ``part`` (and ``part2``) [programs, D]
     receive each program's sums over its rows, written once (not added to: the caller need not zero them)."""
     cols = tl.arange(0, BLOCK)
     col_in = cols < D
-    wt = tl.load(w + cols, mask=col_in, other=0.0)
+    wt = tl.load(w + cols, mask=col_in, other=0.0)[None, :]
     if NORM:
-        gam = tl.load(gamma + cols, mask=col_in, other=0.0).to(tl.float32)
+        gam = tl.load(gamma + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
     query_sum = tl.zeros([BLOCK], dtype=tl.float32)
     gain_sum = tl.zeros([BLOCK], dtype=tl.float32)
-    for row in range(tl.program_id(0), N, tl.num_programs(0)):
-        base = (row + tl.zeros([], dtype=tl.int64)) * D  # int64 offsets (N * D can exceed 2^31)
-        g = _row(grad, base, cols, col_in)
+    for blk in range(tl.program_id(0), tl.cdiv(N, ROWS), tl.num_programs(0)):
+        rows, row_in, base = _row_block(blk, N, D, ROWS)
+        mask = row_in[:, None] & col_in[None, :]
+        g = _rows_tile(grad, base, cols, mask)
         vs = ()
         a = ()
         for i in tl.static_range(S):
-            vs = vs + (_row(srcs[i], base, cols, col_in),)
-            a = a + (tl.load(a_in + i * N + row),)
+            vs = vs + (_rows_tile(srcs[i], base, cols, mask),)
+            a = a + (tl.load(a_in + i * N + rows, mask=row_in, other=0.0),)
         if NORM:  # G = rho (gamma Y) - rho^3 (c / D) h^, h^ recomputed as the forward rounded it
-            rho = tl.load(rho_in + row)
-            acc = tl.zeros([BLOCK], dtype=tl.float32)
-            for i in tl.static_range(S):
-                acc += a[i] * vs[i]
-            h_hat = acc.to(grad.dtype.element_ty).to(tl.float32)
-            gain_sum += g * h_hat * rho
+            rho = tl.load(rho_in + rows, mask=row_in, other=0.0)
+            h_hat = _mixed_tile(vs, a, S, grad.dtype.element_ty)
+            gain_sum += tl.sum(g * h_hat * rho[:, None], axis=0)
             gy = gam * g
-            c = tl.sum(gy * h_hat, axis=0)
-            g = rho * gy - (rho * rho * rho * c / D) * h_hat
+            c = tl.sum(gy * h_hat, axis=1)
+            g = rho[:, None] * gy - (rho * rho * rho * c / D)[:, None] * h_hat
         da = ()
-        mean = 0.0
+        mean = tl.zeros([ROWS], dtype=tl.float32)
         for i in tl.static_range(S):
-            da = da + (tl.sum(g * vs[i], axis=0),)
+            da = da + (tl.sum(g * vs[i], axis=1),)
             mean += a[i] * da[i]
+        weighted = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         for i in tl.static_range(S):
-            r = tl.load(r_in + i * N + row)
+            r = tl.load(r_in + i * N + rows, mask=row_in, other=0.0)
             wc = r * a[i] * (da[i] - mean)
-            vc = wc * r * (r * tl.sum(vs[i] * wt, axis=0)) / D
-            dv = a[i] * g + wc * wt - vc * vs[i]
+            vc = wc * r * (r * tl.sum(vs[i] * wt, axis=1)) / D
+            dv = a[i][:, None] * g + wc[:, None] * wt - vc[:, None] * vs[i]
             if (ADD_TO >> i) & 1:
-                dv += _row(dsrcs[i], base, cols, col_in)
-            tl.store(dsrcs[i] + base + cols, dv.to(dsrcs[i].dtype.element_ty), mask=col_in)
-            query_sum += wc * vs[i]
+                dv += _rows_tile(dsrcs[i], base, cols, mask)
+            tl.store(dsrcs[i] + base[:, None] + cols[None, :], dv.to(dsrcs[i].dtype.element_ty), mask=mask)
+            weighted += wc[:, None] * vs[i]
+        query_sum += tl.sum(weighted, axis=0)
     own = tl.program_id(0).to(tl.int64) * D
     tl.store(part + own + cols, query_sum, mask=col_in)
     if NORM:
