@@ -44,12 +44,17 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # and four warps 0.918 / 1.551 (2 and 2: 0.751 / 1.397; 8 and 8: 1.023 / 1.633); four rows with
 # a fixed grid of 1,056 programs 0.832 / 1.074, with a 64 MiB budget 0.828 / 1.314, 20 MiB
 # 1.196 / 2.064; the compiled PyTorch reference 1.012 / 1.699 (docs/performance.md §12.3).
-# ``resident_max_d``: rows of at most this many columns (rounded up to a power of two) run the
-# resident kernels instead (a whole row of every tensor in registers, each read from memory once;
-# 0: never), at ``resident_cols_per_warp`` columns a warp and ``resident_per_sm`` programs an SM.
+# ``{fwd,bwd}_resident_max_d``: rows of at most this many columns (rounded up to a power of two) run
+# that pass's resident kernel instead (ROWS whole rows of every tensor in registers, each read from
+# memory once; 0: never), at ``*_resident_cols_per_warp`` columns a warp and ``*_resident_per_sm``
+# programs an SM. Measured on one H100 (bench_depth_mixture.py --pre-norm, 16,384 x 2,048 bf16,
+# S = 2 / 3 / 4; docs/performance.md §12.17): backward 1.008 / 0.984 / 0.624 ms tiled, 0.731 / 0.480 /
+# 0.513 resident at one program an SM (two: 0.833 / 0.699 / 0.540); the forward stays tiled, which
+# was faster there (0.133 / 0.171 / 0.214 against 0.170 / 0.260 / 0.233 resident).
 TUNING = dict(fwd_rows=1, fwd_block_d=256, fwd_warps=1, bwd_rows=1, bwd_block_d=256, bwd_warps=1,
-              l2_budget=40 << 20, programs=None, resident_max_d=0, resident_rows=1, resident_cols_per_warp=256,
-              resident_per_sm=2)
+              l2_budget=40 << 20, programs=None,
+              fwd_resident_max_d=0, fwd_resident_rows=1, fwd_resident_cols_per_warp=256, fwd_resident_per_sm=2,
+              bwd_resident_max_d=4096, bwd_resident_rows=1, bwd_resident_cols_per_warp=256, bwd_resident_per_sm=1)
 # MOE_LC_DEPTH_MIXTURE_TUNING="key=value,..." overrides (a choice tried in a whole step: benchmarks/bench_ab.py;
 # programs=0 sizes the grid as None does).
 TUNING.update(parse_launch_choices(os.environ.get("MOE_LC_DEPTH_MIXTURE_TUNING", ""), TUNING, "depth mixture"))
@@ -57,19 +62,20 @@ if TUNING["programs"] == 0:
     TUNING["programs"] = None
 
 
-def _resident_shape(N: int, D: int, device: torch.device) -> Optional[tuple[int, int, int, int]]:
-    """(programs, ROWS, BLOCK, warps) of the resident kernels where a row fits them (``resident_max_d``), else None."""
+def _resident_shape(N: int, D: int, device: torch.device, prefix: str) -> Optional[tuple[int, int, int, int]]:
+    """(programs, ROWS, BLOCK, warps) of a pass's resident kernel where a row fits it (``*_resident_max_d``),
+    else None."""
     import triton
 
     block = triton.next_power_of_2(D)
-    if block > TUNING["resident_max_d"]:
+    if block > TUNING[f"{prefix}_resident_max_d"]:
         return None
-    rows = TUNING["resident_rows"]
-    warps = max(1, min(16, rows * block // TUNING["resident_cols_per_warp"]))
+    rows = TUNING[f"{prefix}_resident_rows"]
+    warps = max(1, min(16, rows * block // TUNING[f"{prefix}_resident_cols_per_warp"]))
     programs = TUNING["programs"]
     if programs is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        programs = sms * TUNING["resident_per_sm"]
+        programs = sms * TUNING[f"{prefix}_resident_per_sm"]
     return max(1, min(programs, triton.cdiv(N, rows))), rows, block, warps
 
 
@@ -139,7 +145,7 @@ class _DepthMixtureFunction(torch.autograd.Function):
         # without NORM the kernels never touch gamma and rho: any tensor stands in for them
         args = (tuple(sources), _folded_query(query, norm_weight), h, a, inv_rms, out_gain if norm else a,
                 rho if norm else a, N, D, eps, out_eps)
-        resident = _resident_shape(N, D, device)
+        resident = _resident_shape(N, D, device, "fwd")
         if resident is not None:
             programs, rows, block, warps = resident
             kt.depth_mixture_fwd_resident_kernel[(programs,)](*args, S=S, ROWS=rows, BLOCK=block, NORM=norm,
@@ -166,7 +172,7 @@ class _DepthMixtureFunction(torch.autograd.Function):
         dsources = tuple(torch.empty_like(v) if t is None else t for v, t in zip(sources, totals))
         add_to = sum(1 << i for i, t in enumerate(totals) if t is not None)
         norm = out_gain is not None
-        resident = _resident_shape(N, D, grad.device)
+        resident = _resident_shape(N, D, grad.device, "bwd")
         if resident is not None:  # each program writes its rows of the partial sums whole
             programs, rows, block, warps = resident
             part = torch.empty(programs, D, device=grad.device, dtype=torch.float32)

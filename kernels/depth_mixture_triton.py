@@ -284,7 +284,7 @@ def depth_mixture_bwd_kernel(srcs, dsrcs, grad, w, a_in, r_in, part, gamma, rho_
 # The resident kernels: ROWS whole rows of every tensor in registers (BLOCK >= D columns), so each
 # source and the output gradient are read from memory once, and the [D] partial sums of the parameter
 # gradients stay in registers across all the rows a program handles (written once, at its end). For
-# widths whose rows fit (depth_mixture.py's ``resident_max_d``): the tiled kernels above read every
+# widths whose rows fit (depth_mixture.py's ``*_resident_max_d``): the tiled kernels above read every
 # source twice and keep their [D] partial sums in memory, read and written once per row block and tile.
 
 

@@ -63,8 +63,10 @@ EPS = 1e-6
 B, T, D = 2, 5, 40
 
 
-TILED = dict(fwd_rows=4, fwd_block_d=16, fwd_warps=4, bwd_rows=4, bwd_block_d=16, bwd_warps=4, l2_budget=0,
-             programs=2, resident_max_d=0, resident_rows=4, resident_cols_per_warp=64, resident_per_sm=1)
+TILED = dict(fwd_rows=4, fwd_block_d=16, fwd_warps=4, bwd_rows=4, bwd_block_d=16, bwd_warps=4, l2_budget=0, programs=2,
+             **{f"{p}_resident_{k}": v for p in ("fwd", "bwd")
+                for k, v in dict(max_d=0, rows=4, cols_per_warp=64, per_sm=1).items()})
+RESIDENT = dict(TILED, fwd_resident_max_d=64, bwd_resident_max_d=64)
 
 
 @pytest.fixture(params=["tiled", "resident"])
@@ -72,7 +74,7 @@ def small_blocks(request, monkeypatch):
     """Either kernel family over two programs. Tiled: 4 rows x 16 columns a tile, 3 row blocks (the
     last partial) x 3 tiles (the last partial). Resident: 4 whole rows (d = 40 in 64 columns, the last
     24 masked) at a time, 3 row blocks (the last partial), so one program adds two blocks into its sums."""
-    tuning = dict(TILED, resident_max_d=64) if request.param == "resident" else TILED
+    tuning = RESIDENT if request.param == "resident" else TILED
     monkeypatch.setattr(kernel_module, "TUNING", tuning)
     return request.param
 
