@@ -47,14 +47,14 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # ``{fwd,bwd}_resident_max_d``: rows of at most this many columns (rounded up to a power of two) run
 # that pass's resident kernel instead (ROWS whole rows of every tensor in registers, each read from
 # memory once; 0: never), at ``*_resident_cols_per_warp`` columns a warp and ``*_resident_per_sm``
-# programs an SM. Measured on one H100 (bench_depth_mixture.py --pre-norm, 16,384 x 2,048 bf16,
-# S = 2 / 3 / 4; docs/performance.md §12.17): backward 1.008 / 0.984 / 0.624 ms tiled, 0.731 / 0.480 /
-# 0.513 resident at one program an SM (two: 0.833 / 0.699 / 0.540); the forward stays tiled, which
-# was faster there (0.133 / 0.171 / 0.214 against 0.170 / 0.260 / 0.233 resident).
+# programs an SM. Measured on one H100 (docs/performance.md §12.17): k3-small's step at 8 of its 20
+# layers 2.8% faster with both passes resident at two programs an SM than tiled (1.411 against
+# 1.452 s); alone (bench_depth_mixture.py --pre-norm, 16,384 x 2,048 bf16, S = 2 / 3 / 4) the
+# backward took 1.008 / 0.984 / 0.624 ms tiled, 0.833 / 0.699 / 0.540 resident.
 TUNING = dict(fwd_rows=1, fwd_block_d=256, fwd_warps=1, bwd_rows=1, bwd_block_d=256, bwd_warps=1,
               l2_budget=40 << 20, programs=None,
-              fwd_resident_max_d=0, fwd_resident_rows=1, fwd_resident_cols_per_warp=256, fwd_resident_per_sm=2,
-              bwd_resident_max_d=4096, bwd_resident_rows=1, bwd_resident_cols_per_warp=256, bwd_resident_per_sm=1)
+              fwd_resident_max_d=4096, fwd_resident_rows=1, fwd_resident_cols_per_warp=256, fwd_resident_per_sm=2,
+              bwd_resident_max_d=4096, bwd_resident_rows=1, bwd_resident_cols_per_warp=256, bwd_resident_per_sm=2)
 # MOE_LC_DEPTH_MIXTURE_TUNING="key=value,..." overrides (a choice tried in a whole step: benchmarks/bench_ab.py;
 # programs=0 sizes the grid as None does).
 TUNING.update(parse_launch_choices(os.environ.get("MOE_LC_DEPTH_MIXTURE_TUNING", ""), TUNING, "depth mixture"))

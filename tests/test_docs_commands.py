@@ -44,6 +44,10 @@ PROXY_BENCH = ("model=tiny curriculum.stages.ctx8k.seq_len=256 curriculum.stages
                "data.synthetic_documents=8 threads=1 --steps 1 --warmup 0")
 
 
+# the launch choices of docs/performance.md §12.17's kernel table
+DEPTH_MIXTURE_VARIANTS = 'bwd_resident_max_d=0;fwd_resident_max_d=4096,bwd_resident_per_sm=2;fwd_resident_max_d=4096,fwd_resident_per_sm=1,bwd_resident_per_sm=1;fwd_resident_max_d=4096,fwd_resident_per_sm=4,bwd_resident_per_sm=4;fwd_resident_max_d=4096,bwd_resident_per_sm=2,fwd_resident_cols_per_warp=128,bwd_resident_cols_per_warp=128;fwd_resident_max_d=4096,bwd_resident_per_sm=2,fwd_resident_rows=2,bwd_resident_rows=2;fwd_resident_max_d=4096,bwd_resident_per_sm=2,fwd_resident_rows=2,bwd_resident_rows=2,fwd_resident_cols_per_warp=512,bwd_resident_cols_per_warp=512'
+
+
 @dataclass(frozen=True)
 class Run:
     """Run `command` (the documented one unless given, with placeholders filled) plus `extra`."""
@@ -221,6 +225,13 @@ COMMANDS: dict[str, object] = {
         "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 2 --steps 5 --warmup 3 --variant apart= "
         "--variant fused=model.attn_res.fused_norm=true",
         'moe-lc bench k3-small-8k "curriculum.stages.ctx8k.activation_checkpointing={mode: none}" --steps 3 --warmup 2',
+        "python benchmarks/bench_depth_mixture.py --pre-norm --no-compile --sources 2,3,4 --rep-ms 60 --variants "
+        f'"{DEPTH_MIXTURE_VARIANTS}"',
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 1 --steps 5 --warmup 2 --variant "
+        "tiled=MOE_LC_DEPTH_MIXTURE_TUNING=bwd_resident_max_d=0 --variant "
+        "resident=MOE_LC_DEPTH_MIXTURE_TUNING=fwd_resident_max_d=4096,bwd_resident_per_sm=2 --variant "
+        "res2rows=MOE_LC_DEPTH_MIXTURE_TUNING=fwd_resident_max_d=4096,bwd_resident_per_sm=2,fwd_resident_rows=2,"
+        "bwd_resident_rows=2",
     )},
     # launch/ comments
     "bash launch/train_single_node.sh recipe=proxy-8k": Run(PROXY + " run_dir=runs/proxy-8k", env="MAX_RESTARTS=0"),
