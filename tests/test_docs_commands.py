@@ -45,7 +45,7 @@ PROXY_BENCH = ("model=tiny curriculum.stages.ctx8k.seq_len=256 curriculum.stages
 
 
 # the launch choices of docs/performance.md §12.17's kernel table
-DEPTH_MIXTURE_VARIANTS = 'bwd_resident_max_d=0;fwd_resident_max_d=4096,bwd_resident_per_sm=2;fwd_resident_max_d=4096,fwd_resident_per_sm=1,bwd_resident_per_sm=1;fwd_resident_max_d=4096,fwd_resident_per_sm=4,bwd_resident_per_sm=4;fwd_resident_max_d=4096,bwd_resident_per_sm=2,fwd_resident_cols_per_warp=128,bwd_resident_cols_per_warp=128;fwd_resident_max_d=4096,bwd_resident_per_sm=2,fwd_resident_rows=2,bwd_resident_rows=2;fwd_resident_max_d=4096,bwd_resident_per_sm=2,fwd_resident_rows=2,bwd_resident_rows=2,fwd_resident_cols_per_warp=512,bwd_resident_cols_per_warp=512'
+DEPTH_MIXTURE_VARIANTS = 'fwd_resident_max_d=0,bwd_resident_max_d=0;fwd_resident_max_d=4096,bwd_resident_per_sm=2;fwd_resident_max_d=4096,fwd_resident_per_sm=1,bwd_resident_per_sm=1;fwd_resident_max_d=4096,fwd_resident_per_sm=4,bwd_resident_per_sm=4;fwd_resident_max_d=4096,bwd_resident_per_sm=2,fwd_resident_cols_per_warp=128,bwd_resident_cols_per_warp=128;fwd_resident_max_d=4096,bwd_resident_per_sm=2,fwd_resident_rows=2,bwd_resident_rows=2;fwd_resident_max_d=4096,bwd_resident_per_sm=2,fwd_resident_rows=2,bwd_resident_rows=2,fwd_resident_cols_per_warp=512,bwd_resident_cols_per_warp=512'
 
 
 @dataclass(frozen=True)
@@ -228,7 +228,7 @@ COMMANDS: dict[str, object] = {
         "python benchmarks/bench_depth_mixture.py --pre-norm --no-compile --sources 2,3,4 --rep-ms 60 --variants "
         f'"{DEPTH_MIXTURE_VARIANTS}"',
         "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 1 --steps 5 --warmup 2 --variant "
-        "tiled=MOE_LC_DEPTH_MIXTURE_TUNING=bwd_resident_max_d=0 --variant "
+        "tiled=MOE_LC_DEPTH_MIXTURE_TUNING=fwd_resident_max_d=0,bwd_resident_max_d=0 --variant "
         "resident=MOE_LC_DEPTH_MIXTURE_TUNING=fwd_resident_max_d=4096,bwd_resident_per_sm=2 --variant "
         "res2rows=MOE_LC_DEPTH_MIXTURE_TUNING=fwd_resident_max_d=4096,bwd_resident_per_sm=2,fwd_resident_rows=2,"
         "bwd_resident_rows=2",
