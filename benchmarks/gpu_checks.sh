@@ -39,6 +39,15 @@ step prenorm_tests python -m pytest -q -rfEs -p no:cacheprovider tests/test_dept
 step prenorm_kernels python benchmarks/bench_depth_mixture.py --pre-norm --sources 4,7
 step ab_prenorm python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 2 --steps 5 --warmup 3 \
     --variant apart=model.attn_res.fused_norm=false --variant fused= --out "$OUT/ab_prenorm.json"
+# the depth mixture's resident kernels (whole rows in registers, on by default, docs/performance.md
+# §12.17): the kernels by launch choice, and the step interleaved against the tiled kernels at
+# k3-small's 20 layers (an H200; on an H100 add model.num_layers=8) and with the backward alone resident
+step depth_mixture_kernels python benchmarks/bench_depth_mixture.py --pre-norm --no-compile --sources 2,3,4 \
+    --variants "fwd_resident_max_d=0,bwd_resident_max_d=0;fwd_resident_max_d=0,bwd_resident_per_sm=1"
+step ab_depth_mixture python benchmarks/bench_ab.py k3-small-8k --rounds 2 --steps 5 --warmup 3 \
+    --variant tiled=MOE_LC_DEPTH_MIXTURE_TUNING=fwd_resident_max_d=0,bwd_resident_max_d=0 --variant resident= \
+    --variant bwd_only=MOE_LC_DEPTH_MIXTURE_TUNING=fwd_resident_max_d=0,bwd_resident_per_sm=1 \
+    --out "$OUT/ab_depth_mixture.json"
 # the fused router and counting sort (moe.router_backend, off by default: no faster on an H100 at
 # k3-small's layers, docs/performance.md §12.10): their tests, the step interleaved against the
 # default on an H200 at all 20 layers, and the losses against the plain path with them on
