@@ -232,6 +232,8 @@ COMMANDS: dict[str, object] = {
         "resident=MOE_LC_DEPTH_MIXTURE_TUNING=fwd_resident_max_d=4096,bwd_resident_per_sm=2 --variant "
         "res2rows=MOE_LC_DEPTH_MIXTURE_TUNING=fwd_resident_max_d=4096,bwd_resident_per_sm=2,fwd_resident_rows=2,"
         "bwd_resident_rows=2",
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 1 --steps 4 --warmup 2 --variant gb131k= "
+        "--variant gb524k=curriculum.stages.ctx8k.global_batch_tokens=524288",
     )},
     # launch/ comments
     "bash launch/train_single_node.sh recipe=proxy-8k": Run(PROXY + " run_dir=runs/proxy-8k", env="MAX_RESTARTS=0"),
