@@ -1,11 +1,13 @@
 """Fused AttnRes depth mixture on Triton: autograd Function and launches.
 
 h = sum_i a_i v_i with a = softmax_i(w . (g * v_i / rms(v_i))) over S sources v_i [..., D].
-Forward: one kernel reads every source twice (its statistics, then the mixture; the second read
-from L2) and writes h once; it keeps only the sources (which the residual stream holds anyway)
-and the mixture weights and inverse rms, fp32 [S, N]. Backward: one kernel reads the output
-gradient and every source twice, writes every source gradient once and per-program partial sums
-of the query's and the gain's [D] gradient, summed here in torch (deterministic, no atomics).
+Forward: one kernel writes h once; it keeps only the sources (which the residual stream holds
+anyway) and the mixture weights and inverse rms, fp32 [S, N]. Backward: one kernel writes every
+source gradient once and per-program partial sums of the query's and the gain's [D] gradient,
+summed here in torch (deterministic, no atomics). Each pass has two kernels: a resident one that
+holds whole rows in registers and reads every source (and the output gradient) once, for rows of
+up to ``*_resident_max_d`` columns, and a tiled one for any width, which walks a row in tiles and
+reads it twice (its statistics, then the mixture or the gradients; the second read from L2).
 The unfused composition makes a dozen passes over [tokens, D] per source each way. With
 ``out_norm`` the same kernels also apply the RMSNorm that reads the mixture (the sublayer's
 pre-norm): the forward writes the normalised mixture in place of h (re-reading h from L2) and keeps
