@@ -23,8 +23,9 @@ eager, then the norm compiled (as ``compile.targets`` "norms" runs it), against 
 mixture's kernels (``attn_res.fused_norm``); each checked against the first.
 
 ``--variants``: ';'-separated overrides of moe_lc_kernels.depth_mixture.TUNING, each timed as
-another Triton row (e.g. 'fwd_rows=8,fwd_warps=8;l2_budget=16777216'; ``programs=none`` sizes the
-grid from the L2 budget). ``--device cpu`` is a smoke run of this script's logic (tiny sizes,
+another Triton row (with ``--pre-norm``, another row of the norm in the mixture's kernels; e.g.
+'fwd_resident_max_d=0,bwd_resident_max_d=0' for the tiled kernels, 'fwd_rows=8,fwd_warps=8;l2_budget=16777216';
+``programs=none`` sizes the grid from the L2 budget or, for the resident kernels, from ``*_resident_per_sm``). ``--device cpu`` is a smoke run of this script's logic (tiny sizes,
 Triton's interpreter, wall-clock timing, no compile): its numbers mean nothing.
 """
 
