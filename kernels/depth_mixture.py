@@ -53,8 +53,11 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # layers 2.8% faster with both passes resident at two programs an SM than tiled (1.411 against
 # 1.452 s); alone (bench_depth_mixture.py --pre-norm, 16,384 x 2,048 bf16, S = 2 / 3 / 4) the
 # backward took 1.008 / 0.984 / 0.624 ms tiled, 0.833 / 0.699 / 0.540 resident.
+# ``resident_max_values``: at most this many fp32 values a thread over the sources (S x ROWS x BLOCK /
+# (32 x warps)); more sources take the tiled kernels. Compiled for sm_90 (Triton 3.9, d 2048: 8
+# values a thread and source), neither resident kernel spills up to S = 10 and both do from S = 12.
 TUNING = dict(fwd_rows=1, fwd_block_d=256, fwd_warps=1, bwd_rows=1, bwd_block_d=256, bwd_warps=1,
-              l2_budget=40 << 20, programs=None,
+              l2_budget=40 << 20, programs=None, resident_max_values=80,
               fwd_resident_max_d=4096, fwd_resident_rows=1, fwd_resident_cols_per_warp=256, fwd_resident_per_sm=2,
               bwd_resident_max_d=4096, bwd_resident_rows=1, bwd_resident_cols_per_warp=256, bwd_resident_per_sm=2)
 # MOE_LC_DEPTH_MIXTURE_TUNING="key=value,..." overrides (a choice tried in a whole step: benchmarks/bench_ab.py;
@@ -64,9 +67,9 @@ if TUNING["programs"] == 0:
     TUNING["programs"] = None
 
 
-def _resident_shape(N: int, D: int, device: torch.device, prefix: str) -> Optional[tuple[int, int, int, int]]:
-    """(programs, ROWS, BLOCK, warps) of a pass's resident kernel where a row fits it (``*_resident_max_d``),
-    else None."""
+def _resident_shape(N: int, D: int, S: int, device: torch.device, prefix: str) -> Optional[tuple[int, int, int, int]]:
+    """(programs, ROWS, BLOCK, warps) of a pass's resident kernel where S sources of a row fit it
+    (``*_resident_max_d``, ``resident_max_values``), else None."""
     import triton
 
     block = triton.next_power_of_2(D)
@@ -74,6 +77,8 @@ def _resident_shape(N: int, D: int, device: torch.device, prefix: str) -> Option
         return None
     rows = TUNING[f"{prefix}_resident_rows"]
     warps = max(1, min(16, rows * block // TUNING[f"{prefix}_resident_cols_per_warp"]))
+    if S * rows * block > TUNING["resident_max_values"] * 32 * warps:
+        return None
     programs = TUNING["programs"]
     if programs is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
@@ -147,7 +152,7 @@ class _DepthMixtureFunction(torch.autograd.Function):
         # without NORM the kernels never touch gamma and rho: any tensor stands in for them
         args = (tuple(sources), _folded_query(query, norm_weight), h, a, inv_rms, out_gain if norm else a,
                 rho if norm else a, N, D, eps, out_eps)
-        resident = _resident_shape(N, D, device, "fwd")
+        resident = _resident_shape(N, D, S, device, "fwd")
         if resident is not None:
             programs, rows, block, warps = resident
             kt.depth_mixture_fwd_resident_kernel[(programs,)](*args, S=S, ROWS=rows, BLOCK=block, NORM=norm,
@@ -174,7 +179,7 @@ class _DepthMixtureFunction(torch.autograd.Function):
         dsources = tuple(torch.empty_like(v) if t is None else t for v, t in zip(sources, totals))
         add_to = sum(1 << i for i, t in enumerate(totals) if t is not None)
         norm = out_gain is not None
-        resident = _resident_shape(N, D, grad.device, "bwd")
+        resident = _resident_shape(N, D, S, grad.device, "bwd")
         if resident is not None:  # each program writes its rows of the partial sums whole
             programs, rows, block, warps = resident
             part = torch.empty(programs, D, device=grad.device, dtype=torch.float32)

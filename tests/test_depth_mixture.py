@@ -64,6 +64,7 @@ B, T, D = 2, 5, 40
 
 
 TILED = dict(fwd_rows=4, fwd_block_d=16, fwd_warps=4, bwd_rows=4, bwd_block_d=16, bwd_warps=4, l2_budget=0, programs=2,
+             resident_max_values=80,
              **{f"{p}_resident_{k}": v for p in ("fwd", "bwd")
                 for k, v in dict(max_d=0, rows=4, cols_per_warp=64, per_sm=1).items()})
 RESIDENT = dict(TILED, fwd_resident_max_d=64, bwd_resident_max_d=64)
@@ -555,3 +556,17 @@ def test_the_pre_norm_stays_apart_when_a_weight_is_a_dtensor(small_blocks):
         assert not mixer.fuses_norm(norm, sources)
     finally:
         dist.destroy_process_group()
+
+
+def test_rows_that_would_spill_registers_take_the_tiled_kernels():
+    """The resident kernels hold S x ROWS x BLOCK / (32 x warps) fp32 values a thread: up to 10 sources
+    of d 2048 at the default launch (8 a source), then the tiled kernels; a row wider than
+    ``*_resident_max_d`` never runs resident."""
+    shape = kernel_module._resident_shape
+    cpu = torch.device("cpu")
+    assert shape(16384, 2048, 10, cpu, "bwd") is not None
+    assert shape(16384, 2048, 11, cpu, "bwd") is None
+    assert shape(16384, 2048, 11, cpu, "fwd") is None
+    _, rows, block, warps = shape(16384, 2560, 2, cpu, "fwd")
+    assert (rows, block, warps) == (1, 4096, 16)
+    assert shape(16384, 7168, 2, cpu, "bwd") is None
