@@ -167,12 +167,30 @@ def print_table(rows: list[dict], copy: Optional[float]) -> None:
               f"{r['fwd_gbps']:9.0f} {r['bwd_gbps']:9.0f} {r['fwd_bwd_gbps']:9.0f}  {diff}")
 
 
+def measured_row(S: int, name: str, call, inputs, reference: list[Tensor], time_ms, gb: tuple[int, int],
+                 overrides: dict) -> dict:
+    """One table row: ``call`` checked against ``reference`` and timed with ``overrides`` in TUNING (restored
+    after); a launch choice that fails is a row saying so, not the end of the run."""
+    import moe_lc_kernels.depth_mixture as kernels
+
+    defaults = dict(kernels.TUNING)
+    kernels.TUNING.update(overrides)
+    row = dict(S=S, variant=name)
+    try:
+        row["diff"] = relative_diffs(run_once(call, *inputs), reference)
+        row.update(time_variant(call, inputs, time_ms, gb))
+    except Exception as e:  # one bad launch choice must not lose the other rows
+        row["failed"] = f"{type(e).__name__}: {e}"[:200]
+    finally:
+        kernels.TUNING.clear()
+        kernels.TUNING.update(defaults)
+    return row
+
+
 def pre_norm_rows(S: int, N: int, d: int, device: torch.device, time_ms, compile_norm: bool,
                   variants: list[tuple[str, dict]]) -> list[dict]:
     """The mixture and its pre-norm, apart (eager, compiled norm) and in one set of kernels (``--pre-norm``),
     the last once more for each of ``variants`` (TUNING overrides)."""
-    import moe_lc_kernels.depth_mixture as kernels
-
     from moe_lc.model.norm import RMSNorm
     from moe_lc.ops.depth_mixture import depth_mixture
 
@@ -191,24 +209,10 @@ def pre_norm_rows(S: int, N: int, d: int, device: torch.device, time_ms, compile
     inputs = (sources, query, gain, grad)
     reference = run_once(calls["mixture, then the norm eager"], *inputs)
     gb = pass_bytes(sources, torch.bfloat16)
-    rows = []
-    defaults = dict(kernels.TUNING)
     fused = "the norm in the mixture's kernels"
     runs = [(name, call, {}) for name, call in calls.items()]
     runs += [(f"{fused} [{label}]", calls[fused], overrides) for label, overrides in variants if label]
-    for name, call, overrides in runs:
-        kernels.TUNING.clear()
-        kernels.TUNING.update(defaults, **overrides)
-        row = dict(S=S, variant=name)
-        try:
-            row["diff"] = relative_diffs(run_once(call, *inputs), reference)
-            row.update(time_variant(call, inputs, time_ms, gb))
-        except Exception as e:  # one bad launch choice must not lose the other rows
-            row["failed"] = f"{type(e).__name__}: {e}"[:200]
-        rows.append(row)
-    kernels.TUNING.clear()
-    kernels.TUNING.update(defaults)
-    return rows
+    return [measured_row(S, name, call, inputs, reference, time_ms, gb, overrides) for name, call, overrides in runs]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -255,18 +259,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         for name in names:
             rows.append(dict(S=S, variant=name, **time_variant(variant_call(name), inputs, time_ms, gb)))
         for label, overrides in variants:
-            kernels.TUNING.clear()
-            kernels.TUNING.update(defaults, **overrides)
-            row = dict(S=S, variant="triton" + (f" [{label}]" if label else ""))
-            try:
-                call = variant_call("triton")
-                row["diff"] = relative_diffs(run_once(call, *inputs), reference)
-                row.update(time_variant(call, inputs, time_ms, gb))
-            except Exception as e:  # one bad launch choice must not lose the other rows
-                row["failed"] = f"{type(e).__name__}: {e}"[:200]
-            rows.append(row)
-        kernels.TUNING.clear()
-        kernels.TUNING.update(defaults)
+            rows.append(measured_row(S, "triton" + (f" [{label}]" if label else ""), variant_call("triton"), inputs,
+                                     reference, time_ms, gb, overrides))
         del inputs, reference
     print(f"N = {args.tokens} tokens, d = {args.d}, source 0 fp32, the rest bf16; TUNING defaults {defaults}")
     print_table(rows, copy)

@@ -289,12 +289,6 @@ def depth_mixture_bwd_kernel(srcs, dsrcs, grad, w, a_in, r_in, part, gamma, rho_
 
 
 @triton.jit
-def _rows_tile(ptr, base, cols, mask):
-    """fp32 [ROWS, BLOCK] of the rows at int64 element offsets ``base`` [ROWS]."""
-    return tl.load(ptr + base[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def depth_mixture_fwd_resident_kernel(srcs, w, h, a_out, r_out, gamma, rho_out, N, D, eps, eps2, S: tl.constexpr,
                                       ROWS: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr):
     """``depth_mixture_fwd_kernel``'s results, ROWS whole rows at a time (programs stride over the row blocks)."""
@@ -308,7 +302,7 @@ def depth_mixture_fwd_resident_kernel(srcs, w, h, a_out, r_out, gamma, rho_out, 
         mask = row_in[:, None] & col_in[None, :]
         vs = ()
         for i in tl.static_range(S):
-            vs = vs + (_rows_tile(srcs[i], base, cols, mask),)
+            vs = vs + (_load_tile(srcs[i], base, cols, mask),)
         logits = ()
         for i in tl.static_range(S):
             r = 1.0 / tl.sqrt_rn(tl.sum(vs[i] * vs[i], axis=1) / D + eps)
@@ -344,11 +338,11 @@ def depth_mixture_bwd_resident_kernel(srcs, dsrcs, grad, w, a_in, r_in, part, ga
     for blk in range(tl.program_id(0), tl.cdiv(N, ROWS), tl.num_programs(0)):
         rows, row_in, base = _row_block(blk, N, D, ROWS)
         mask = row_in[:, None] & col_in[None, :]
-        g = _rows_tile(grad, base, cols, mask)
+        g = _load_tile(grad, base, cols, mask)
         vs = ()
         a = ()
         for i in tl.static_range(S):
-            vs = vs + (_rows_tile(srcs[i], base, cols, mask),)
+            vs = vs + (_load_tile(srcs[i], base, cols, mask),)
             a = a + (tl.load(a_in + i * N + rows, mask=row_in, other=0.0),)
         if NORM:  # G = rho (gamma Y) - rho^3 (c / D) h^, h^ recomputed as the forward rounded it
             rho = tl.load(rho_in + rows, mask=row_in, other=0.0)
@@ -369,7 +363,7 @@ def depth_mixture_bwd_resident_kernel(srcs, dsrcs, grad, w, a_in, r_in, part, ga
             vc = wc * r * (r * tl.sum(vs[i] * wt, axis=1)) / D
             dv = a[i][:, None] * g + wc[:, None] * wt - vc[:, None] * vs[i]
             if (ADD_TO >> i) & 1:
-                dv += _rows_tile(dsrcs[i], base, cols, mask)
+                dv += _load_tile(dsrcs[i], base, cols, mask)
             tl.store(dsrcs[i] + base[:, None] + cols[None, :], dv.to(dsrcs[i].dtype.element_ty), mask=mask)
             weighted += wc[:, None] * vs[i]
         query_sum += tl.sum(weighted, axis=0)
