@@ -67,6 +67,11 @@ if TUNING["programs"] == 0:
     TUNING["programs"] = None
 
 
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (1 off CUDA: Triton's interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def _resident_shape(N: int, D: int, S: int, device: torch.device, prefix: str) -> Optional[tuple[int, int, int, int]]:
     """(programs, ROWS, BLOCK, warps) of a pass's resident kernel where S sources of a row fit it
     (``*_resident_max_d``, ``resident_max_values``), else None."""
@@ -81,8 +86,7 @@ def _resident_shape(N: int, D: int, S: int, device: torch.device, prefix: str) -
         return None
     programs = TUNING["programs"]
     if programs is None:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        programs = sms * TUNING[f"{prefix}_resident_per_sm"]
+        programs = _sm_count(device) * TUNING[f"{prefix}_resident_per_sm"]
     return max(1, min(programs, triton.cdiv(N, rows))), rows, block, warps
 
 
@@ -95,8 +99,7 @@ def _launch_shape(N: int, D: int, row_bytes: int, device: torch.device, prefix: 
     block_d = min(TUNING[f"{prefix}_block_d"], triton.next_power_of_2(D))
     programs = TUNING["programs"]
     if programs is None:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        programs = max(sms, TUNING["l2_budget"] // (rows * row_bytes))
+        programs = max(_sm_count(device), TUNING["l2_budget"] // (rows * row_bytes))
     return max(1, min(programs, triton.cdiv(N, rows))), rows, block_d, warps
 
 
