@@ -119,17 +119,54 @@ class GradientSum:
     before theirs. The first reader hands the sum to autograd as the source's gradient; the others
     add into it and hand autograd nothing for that source. A recompute under activation
     checkpointing claims nothing new: the backward runs the forward's own nodes.
+
+    ``seed``: a gradient of the source from outside the mixtures (the residual stream's next partial
+    sum, ``add_to_partial_sum``), which the next reader to run backward adds into its share in its
+    kernel and then drops, where autograd would add it to the sum in a pass of its own. Not ours to
+    write: the kernel reads it and writes the sum elsewhere.
     """
 
     def __init__(self) -> None:
         self.claimed = False
+        self.handed_over = False
         self.total: Optional[Tensor] = None
+        self.seed: Optional[Tensor] = None
 
     def claim(self) -> bool:
         """True for the source's first reader (the one that hands the sum to autograd)."""
         first = not self.claimed
         self.claimed = True
         return first
+
+    def takes_seed(self) -> bool:
+        """Whether a reader that sums in its kernel is still to run backward (so a seed is not lost)."""
+        return self.claimed and not self.handed_over and self.seed is None
+
+
+class _PartialSumAdd(torch.autograd.Function):
+    """partial + f, whose backward hands the partial's gradient to the partial's mixture as a seed
+    (``GradientSum.seed``) when one of its readers sums in its kernel, instead of to autograd."""
+
+    @staticmethod
+    def forward(ctx, partial: Tensor, f: Tensor, total: GradientSum) -> Tensor:
+        ctx.total = total
+        return partial + f
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        total = ctx.total
+        if ctx.needs_input_grad[0] and total.takes_seed() and grad.is_contiguous():
+            total.seed = grad
+            return None, grad, None
+        return grad, grad, None
+
+
+def add_to_partial_sum(partial: Tensor, f: Tensor, total: GradientSum) -> Tensor:
+    """partial + f (same shape and dtype), where ``total`` is the partial's :class:`GradientSum`: its
+    gradient is then added in the partial's mixture's backward kernel, not by autograd."""
+    if partial.shape != f.shape or partial.dtype != f.dtype or not torch.is_grad_enabled():
+        return partial + f
+    return _PartialSumAdd.apply(partial, f, total)
 
 
 class _DepthMixtureFunction(torch.autograd.Function):
@@ -178,9 +215,20 @@ class _DepthMixtureFunction(torch.autograd.Function):
         D = sources[0].shape[-1]
         grad = grad.contiguous()
         sums = ctx.sums or (None,) * S
-        totals = [None if total is None else total.total for total in sums]
-        dsources = tuple(torch.empty_like(v) if t is None else t for v, t in zip(sources, totals))
-        add_to = sum(1 << i for i, t in enumerate(totals) if t is not None)
+        # each source's gradient goes into the sum so far (added in place), or a new tensor, plus a seed if any
+        dsources, seeds, add_to = [], [], 0
+        for i, (v, total) in enumerate(zip(sources, sums)):
+            so_far = None if total is None else total.total
+            seed = None if total is None or not ctx.needs_input_grad[6 + i] else total.seed
+            if seed is not None:
+                total.seed = None
+                if so_far is not None:  # the kernel adds one tensor: fold the seed into the sum first
+                    so_far.add_(seed)
+                    seed = None
+            dsources.append(torch.empty_like(v) if so_far is None else so_far)
+            seeds.append(so_far if so_far is not None else seed if seed is not None else dsources[-1])
+            add_to |= (so_far is not None or seed is not None) << i
+        dsources, seeds = tuple(dsources), tuple(seeds)
         norm = out_gain is not None
         resident = _resident_shape(N, D, S, grad.device, "bwd")
         if resident is not None:  # each program writes its rows of the partial sums whole
@@ -191,7 +239,7 @@ class _DepthMixtureFunction(torch.autograd.Function):
             programs, rows, block_d, warps = _launch_shape(N, D, _row_bytes(D, [grad, *sources]), grad.device, "bwd")
             part = torch.zeros(programs, D, device=grad.device, dtype=torch.float32)
             part2 = torch.zeros(programs, D, device=grad.device, dtype=torch.float32) if norm else part
-        args = (tuple(sources), dsources, grad, _folded_query(query, norm_weight), a, inv_rms, part,
+        args = (tuple(sources), dsources, seeds, grad, _folded_query(query, norm_weight), a, inv_rms, part,
                 out_gain if norm else part, rho if norm else a, part2, N, D)
         if resident is not None:
             kt.depth_mixture_bwd_resident_kernel[(programs,)](*args, S=S, ROWS=rows, BLOCK=block, ADD_TO=add_to,
@@ -210,7 +258,7 @@ class _DepthMixtureFunction(torch.autograd.Function):
                 grads.append(None)
             elif total is None or ctx.hands_over[i]:  # the sum, complete: autograd takes it from here
                 if total is not None:
-                    total.total = None
+                    total.total, total.handed_over = None, True
                 grads.append(dv)
             else:  # a later reader: its share stays in the sum for the first reader to hand over
                 total.total = dv

@@ -216,10 +216,11 @@ def depth_mixture_fwd_kernel(srcs, w, h, a_out, r_out, gamma, rho_out, N, D, eps
 
 
 @triton.jit
-def depth_mixture_bwd_kernel(srcs, dsrcs, grad, w, a_in, r_in, part, gamma, rho_in, part2, N, D, S: tl.constexpr,
+def depth_mixture_bwd_kernel(srcs, dsrcs, seeds, grad, w, a_in, r_in, part, gamma, rho_in, part2, N, D, S: tl.constexpr,
                              ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ADD_TO: tl.constexpr, NORM: tl.constexpr):
-    """dv_i = a_i grad + r_i dl_i (w - u_i logit_i / D) in v_i's dtype, u_i = r_i v_i, added to what
-    ``dsrcs[i]`` holds where bit i of ``ADD_TO`` is set (one rounding: the sum is taken in fp32), and this
+    """dv_i = a_i grad + r_i dl_i (w - u_i logit_i / D) into ``dsrcs[i]`` in its dtype, u_i = r_i v_i, plus
+    what ``seeds[i]`` holds where bit i of ``ADD_TO`` is set (one rounding: the sum is taken in fp32; a
+    seed may be ``dsrcs[i]`` itself, each element read before it is written), and this
     program's share of sum over tokens and sources of dl_i u_i into its row of ``part`` (fp32
     [programs, D], zeroed by the caller), where dl_i = a_i (da_i - sum_j a_j da_j), da_i = grad . v_i.
 
@@ -274,7 +275,7 @@ def depth_mixture_bwd_kernel(srcs, dsrcs, grad, w, a_in, r_in, part, gamma, rho_
                 v = vs[i]
                 dv = a[i][:, None] * g + w_coef[i][:, None] * wt - v_coef[i][:, None] * v
                 if (ADD_TO >> i) & 1:
-                    dv += _load_tile(dsrcs[i], base, cols, mask)
+                    dv += _load_tile(seeds[i], base, cols, mask)
                 tl.store(dsrcs[i] + base[:, None] + cols[None, :], dv.to(dsrcs[i].dtype.element_ty), mask=mask)
                 weighted += w_coef[i][:, None] * v
             total = tl.load(part_row + cols, mask=col_in, other=0.0) + tl.sum(weighted, axis=0)
@@ -323,7 +324,7 @@ def depth_mixture_fwd_resident_kernel(srcs, w, h, a_out, r_out, gamma, rho_out, 
 
 
 @triton.jit
-def depth_mixture_bwd_resident_kernel(srcs, dsrcs, grad, w, a_in, r_in, part, gamma, rho_in, part2, N, D,
+def depth_mixture_bwd_resident_kernel(srcs, dsrcs, seeds, grad, w, a_in, r_in, part, gamma, rho_in, part2, N, D,
                                       S: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, ADD_TO: tl.constexpr,
                                       NORM: tl.constexpr):
     """``depth_mixture_bwd_kernel``'s results, ROWS whole rows at a time: ``part`` (and ``part2``) [programs, D]
@@ -363,7 +364,7 @@ def depth_mixture_bwd_resident_kernel(srcs, dsrcs, grad, w, a_in, r_in, part, ga
             vc = wc * r * (r * tl.sum(vs[i] * wt, axis=1)) / D
             dv = a[i][:, None] * g + wc[:, None] * wt - vc[:, None] * vs[i]
             if (ADD_TO >> i) & 1:
-                dv += _load_tile(dsrcs[i], base, cols, mask)
+                dv += _load_tile(seeds[i], base, cols, mask)
             tl.store(dsrcs[i] + base[:, None] + cols[None, :], dv.to(dsrcs[i].dtype.element_ty), mask=mask)
             weighted += wc[:, None] * vs[i]
         query_sum += tl.sum(weighted, axis=0)

@@ -47,7 +47,8 @@ import moe_lc_kernels.depth_mixture as kernel_module  # noqa: E402
 from moe_lc.model.attn_res import DepthMixer  # noqa: E402
 from moe_lc.model.attn_res import ResidualStream  # noqa: E402
 from moe_lc.model.norm import GatedRMSNorm, RMSNorm  # noqa: E402
-from moe_lc.ops.depth_mixture import GradientSum, depth_mixture, resolve_backend, triton_unsupported_reason  # noqa: E402
+from moe_lc.ops.depth_mixture import GradientSum, add_to_partial_sum, depth_mixture, resolve_backend  # noqa: E402
+from moe_lc.ops.depth_mixture import triton_unsupported_reason  # noqa: E402
 from moe_lc_kernels import triton_available  # noqa: E402
 from moe_lc_kernels.depth_mixture import MAX_SOURCES  # noqa: E402
 
@@ -319,6 +320,39 @@ def test_gradient_sums_hand_each_source_its_whole_gradient_from_its_first_reader
     for qp, qs in zip(plain["queries"], summed["queries"]):
         assert torch.allclose(qs.grad, qp.grad, rtol=1e-5, atol=1e-6)  # the same kernels on the same values
     assert all(total.claimed and total.total is None for total in summed["sums"])  # nothing left behind
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_the_next_partial_sums_gradient_reaches_the_partial_through_its_mixtures_kernel(small_blocks, backend):
+    """p2 = p + tanh(mixture(e, p)): p's gradient is p2's (through the add) plus the mixture's share.
+    With the fused mixture (which claims p's GradientSum), the add hands p2's gradient to the mixture's
+    backward kernel as a seed and autograd nothing, and the kernel writes the sum: the same gradient as
+    autograd's add, one rounding of the two terms' magnitudes apart (both fp32). With the reference
+    mixture (no claim) autograd adds as usual."""
+    gen = torch.Generator().manual_seed(4)
+    e, p = (torch.randn(B, T, D, generator=gen).to(DEVICE).requires_grad_() for _ in range(2))
+    q = (0.3 * torch.randn(D, generator=gen)).to(DEVICE)
+    gain = (1 + 0.3 * torch.randn(D, generator=gen)).to(DEVICE)
+    G = torch.randn(B, T, D, generator=gen).to(DEVICE)
+
+    def p_grad(fused: bool) -> tuple[torch.Tensor, torch.Tensor, GradientSum]:
+        sums = [GradientSum(), GradientSum()]
+        h = depth_mixture([e, p], q, gain, EPS, backend=backend, sums=sums if fused else None)
+        f = torch.tanh(h)
+        p2 = add_to_partial_sum(p, f, sums[1]) if fused else p + f
+        # the mixture's share alone (a backward of its own, so only where nothing is fused)
+        share = None if fused else torch.autograd.grad(h, p, (1 - f.detach() ** 2) * G, retain_graph=True)[0]
+        (p2 * G).sum().backward()
+        return p.grad.clone(), share, sums[1]
+
+    want, share, _ = p_grad(False)
+    p.grad = None
+    got, _, total = p_grad(True)
+    assert total.seed is None and total.total is None  # the seed was taken and the sum handed over
+    assert total.claimed == (backend == "triton")
+    bound = 2 * EPS32 * (G.abs() + share.abs()) + torch.finfo(F32).tiny
+    assert (got - want).abs().le(bound).all()
+    assert (want - G).abs().max() > 1e-3  # the mixture's share is there to be lost
 
 
 def test_the_stream_keeps_one_gradient_sum_per_source_and_a_new_one_per_new_tensor():

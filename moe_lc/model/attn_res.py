@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from moe_lc.model.norm import RMSNorm
-from moe_lc.ops.depth_mixture import GradientSum, depth_mixture, resolve_backend
+from moe_lc.ops.depth_mixture import GradientSum, add_to_partial_sum, depth_mixture, resolve_backend
 from moe_lc.ops.stacked_linear import plain_tensor
 
 
@@ -136,9 +136,16 @@ class ResidualStream:
         """The stream after a sublayer's output f: a new source (full), else added to the partial sum."""
         if self.mode == "full":
             return ResidualStream(self.mode, (*self.sources, f), self.partial, self.sums)
-        # a new partial sum: a new tensor, so a new gradient sum (made by __post_init__; none in mode "none")
-        return ResidualStream(self.mode, self.sources, f if self.partial is None else self.partial + f,
-                              self.sums[: len(self.sources)])
+        # a new partial sum: a new tensor, so a new gradient sum (made by __post_init__; none in mode "none").
+        # The old partial's gradient through this sum is added in its mixture's backward kernel where
+        # that mixture sums in its kernel (``add_to_partial_sum``), not by autograd in a pass of its own.
+        if self.partial is None:
+            partial = f
+        elif self.mode == "none":
+            partial = self.partial + f
+        else:
+            partial = add_to_partial_sum(self.partial, f, self.sums[len(self.sources)])
+        return ResidualStream(self.mode, self.sources, partial, self.sums[: len(self.sources)])
 
     def end_layer(self, layer_idx: int, block_size: int) -> "ResidualStream":
         """The stream after decoder layer `layer_idx` (0-based): its block closed when it completes one."""

@@ -22,8 +22,10 @@ from torch import Tensor
 from moe_lc.ops.backend_choice import choose_backend, triton_device_reason
 from moe_lc.ops.rms_norm import rms_norm
 from moe_lc_kernels.depth_mixture import MAX_SOURCES, GradientSum, depth_mixture_triton
+from moe_lc_kernels.depth_mixture import add_to_partial_sum as _add_to_partial_sum
 
-__all__ = ["depth_mixture_reference", "depth_mixture", "resolve_backend", "triton_unsupported_reason", "GradientSum"]
+__all__ = ["depth_mixture_reference", "depth_mixture", "resolve_backend", "triton_unsupported_reason", "GradientSum",
+           "add_to_partial_sum"]
 
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -131,6 +133,8 @@ def resolve_backend(sources: list[Tensor], query: Tensor, norm_weight: Tensor, b
 
 # A graph break under torch.compile: Dynamo runs the kernels' autograd Function as it is, eagerly.
 _depth_mixture_fused = torch.compiler.disable(depth_mixture_triton)
+# The same for the partial sum's add, whose backward hands its gradient to a GradientSum (a Python object).
+add_to_partial_sum = torch.compiler.disable(_add_to_partial_sum)
 
 
 def depth_mixture(sources: list[Tensor], query: Tensor, norm_weight: Tensor, eps: float,
