@@ -199,6 +199,15 @@ def _accumulate() -> None:
         accumulate_rows_triton(torch.zeros(rows, LATENT), _bf16(rows, 2 * LATENT), rows, LATENT, 2 * LATENT)
 
 
+def _mla_keys() -> None:
+    from moe_lc_kernels.mla_keys import mla_keys_triton
+
+    kv = _bf16(1, TOKENS, HEADS, 256).requires_grad_(True)  # k3-small's MLA: 16 heads, nope 128 + v 128, key 64
+    wide = _bf16(1, TOKENS, 64 + 512).requires_grad_(True)
+    k, v = mla_keys_triton(kv, wide[..., :64], 128)
+    torch.autograd.backward((k, v), (torch.ones_like(k).transpose(1, 2).contiguous().transpose(1, 2), torch.ones_like(v)))
+
+
 def _kda() -> None:
     from moe_lc_kernels.kda import chunk_kda_triton
 
@@ -211,7 +220,7 @@ def _kda() -> None:
 
 OPS: dict[str, Callable[[], None]] = {
     "situ": _situ, "router": _router, "sort": _sort, "permutation": _permutation, "short_conv": _short_conv,
-    "depth_mixture": _depth_mixture, "accumulate": _accumulate, "kda": _kda,
+    "depth_mixture": _depth_mixture, "accumulate": _accumulate, "kda": _kda, "mla_keys": _mla_keys,
 }
 
 

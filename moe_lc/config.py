@@ -61,6 +61,9 @@ class MLAConfig:
     # stacked weights: x cast and kept once, dx one GEMM instead of four and their sums. Plain weights
     # only (not tp's DTensors, not float8 linears, which keep their own calls)
     fused_projections: bool = True
+    # the keys [k_nope, shared key] per head and v from the up-projected latent: auto (Triton on CUDA) |
+    # torch | triton (moe_lc.ops.mla_keys)
+    keys_backend: str = "auto"
 
     @property
     def qk_dim(self) -> int:
@@ -197,6 +200,8 @@ class ModelConfig:
         _require(m.qk_nope_dim > 0, f"mla.qk_nope_dim={m.qk_nope_dim} must be positive")
         _require(m.qk_rope_dim >= 0, f"mla.qk_rope_dim={m.qk_rope_dim} must be >= 0")
         _require(m.v_dim > 0, f"mla.v_dim={m.v_dim} must be positive")
+        _require(m.keys_backend in ("auto", "torch", "triton"),
+                 f"mla.keys_backend={m.keys_backend!r}: use auto, torch or triton")
 
         a = self.attn_res
         _require(a.mode in ("none", "block", "full"), f"attn_res.mode={a.mode!r}: use none, block or full")

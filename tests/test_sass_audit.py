@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("triton")
 REPO = Path(__file__).resolve().parents[1]
-OPS = "router,sort,situ,permutation,accumulate"
+OPS = "router,sort,situ,permutation,accumulate,mla_keys"
 
 
 def test_the_moe_kernels_compile_for_hopper_without_register_spills():
@@ -30,7 +30,7 @@ def test_the_moe_kernels_compile_for_hopper_without_register_spills():
     kernels = {cells[0].strip() for cells in rows}
     assert {"route_fwd_kernel", "route_bwd_kernel", "route_statistics_kernel", "expert_block_counts_kernel",
             "place_by_expert_kernel", "situ_glu_fwd_kernel", "situ_glu_bwd_kernel", "sum_rows_kernel",
-            "combine_bwd_kernel", "accumulate_rows_kernel"} <= kernels
+            "combine_bwd_kernel", "accumulate_rows_kernel", "mla_keys_fwd_kernel", "mla_keys_bwd_kernel"} <= kernels
     for cells in rows:
         registers, stack, spill_ops = int(cells[4]), int(cells[5]), int(cells[6])
         assert 0 < registers <= 255 and stack == 0 and spill_ops == 0, \

@@ -22,6 +22,7 @@ from moe_lc.config import MLAConfig
 from moe_lc.model.norm import RMSNorm
 from moe_lc.ops.attention import causal_document_attention, keys_of_row
 from moe_lc.ops.documents import DocumentBounds
+from moe_lc.ops.mla_keys import mla_keys
 from moe_lc.ops.stacked_linear import stackable, stacked_linear
 
 
@@ -82,11 +83,10 @@ class GatedMLA(nn.Module):
         c_kv, *shared_key = row.wait()  # [B, S, r] (S = T, or the whole row's length under context parallelism)
         S = c_kv.shape[1]
         kv = self.kv_up(c_kv).view(B, S, H, c.qk_nope_dim + c.v_dim)
-        k_nope, v = kv.split([c.qk_nope_dim, c.v_dim], dim=-1)
-        if shared_key:
-            k = torch.cat([k_nope, shared_key[0].unsqueeze(2).expand(B, S, H, c.qk_rope_dim)], dim=-1)
+        if shared_key:  # k = [k_nope, the shared key] per head
+            k, v = mla_keys(kv, shared_key[0], c.qk_nope_dim, c.keys_backend)
         else:
-            k = k_nope
+            k, v = kv.split([c.qk_nope_dim, c.v_dim], dim=-1)
         # one call for all documents; the mask is built once per batch and shared by the MLA layers
         o = causal_document_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale,

@@ -29,6 +29,8 @@ KDA_OP = "moe_lc/ops/kda.py"
 KDA_PROJ = "moe_lc/ops/kda_projections.py"
 CONV = "moe_lc/ops/short_conv.py"
 MLA = "moe_lc/model/mla.py"
+MLA_KEYS = "moe_lc/ops/mla_keys.py"
+MLA_KEYS_KERNEL = "kernels/mla_keys_triton.py"
 RES = "moe_lc/model/attn_res.py"
 MIXTURE = "moe_lc/ops/depth_mixture.py"
 MOE = "moe_lc/model/moe.py"
@@ -313,9 +315,20 @@ MUTANTS: tuple[Mutant, ...] = (
            "v.transpose(1, 2), is_causal=True,\n                                         scale=scale).transpose(1, 2)",
            "v.transpose(1, 2), is_causal=False,\n                                         scale=scale).transpose(1, 2)",
            "attention to later tokens of the document"),
-    Mutant("mla-shared-key-dropped", MLA, "k = torch.cat([k_nope, shared_key[0].unsqueeze(2).expand(B, S, H, c.qk_rope_dim)], dim=-1)",
-           "k = torch.cat([k_nope, torch.zeros_like(shared_key[0]).unsqueeze(2).expand(B, S, H, c.qk_rope_dim)], dim=-1)",
+    Mutant("mla-shared-key-dropped", MLA_KEYS, "torch.cat([k_nope, shared.unsqueeze(2).expand(B, S, H, shared.shape[-1])], dim=-1)",
+           "torch.cat([k_nope, torch.zeros_like(shared).unsqueeze(2).expand(B, S, H, shared.shape[-1])], dim=-1)",
            "the shared key slot never reaches the scores"),
+    Mutant("mla-keys-shared-key-first-head-only", MLA_KEYS_KERNEL,
+           "tl.store(out + NOPE + sh[None, :], every_head, mask=h_in[:, None] & (sh < SH)[None, :])",
+           "tl.store(out + NOPE + sh[None, :], every_head, mask=(heads == 0)[:, None] & (sh < SH)[None, :])",
+           "the shared key reaches the first head's keys only", ("tests/test_mla_keys.py",)),
+    Mutant("mla-keys-shared-gradient-first-head-only", MLA_KEYS_KERNEL,
+           "g_shared = tl.load(grad_k + NOPE + sh[None, :], mask=s_mask, other=0.0)",
+           "g_shared = tl.load(grad_k + NOPE + sh[None, :], mask=s_mask & (heads == 0)[:, None], other=0.0)",
+           "the shared key's gradient is the first head's, not the sum over heads", ("tests/test_mla_keys.py",)),
+    Mutant("mla-keys-value-gradient-dropped", MLA_KEYS_KERNEL, "tl.store(out + NOPE + vc[None, :], g_v, mask=v_mask)",
+           "tl.store(out + NOPE + vc[None, :], g_v * 0, mask=v_mask)",
+           "kv's gradient loses dv", ("tests/test_mla_keys.py",)),
     Mutant("mla-gate-sigmoid-dropped", MLA, "o = torch.sigmoid(gate_logits) * o",
            "o = gate_logits * o", "MLA output gate without sigmoid"),
     # -- Attention Residuals
