@@ -75,6 +75,9 @@ def variant_environment(words: list[str], scratch: Path) -> tuple[list[str], dic
             for name, folder in PACKAGES.items():
                 (shim / name).symlink_to(tree / folder)
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")]))
+            # and nothing before it: `python -m` puts the working directory first on sys.path, where the
+            # repository root's own moe_lc/ would shadow the shim's (Python 3.11+)
+            env["PYTHONSAFEPATH"] = "1"
         else:
             overrides.append(word)
     return overrides, env

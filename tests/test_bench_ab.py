@@ -140,8 +140,10 @@ def test_a_tree_word_runs_the_variant_from_that_checkout(tmp_path, monkeypatch):
     overrides, env = ab.variant_environment([f"@{tree}", "x.y=1"], scratch)
     assert overrides == ["x.y=1"]
     code = "import moe_lc, moe_lc_kernels, moe_lc_recipes as r; print(moe_lc.WHERE, moe_lc_kernels.WHERE, r.WHERE)"
+    # from this repository's root, as the runs start: its own moe_lc/ there must not win over TREE's
+    repo_root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **env}, cwd=tmp_path)
+                          env={**os.environ, **env}, cwd=repo_root)
     assert done.stdout.split() == ["moe_lc", "kernels", "recipes"], done.stderr
     with pytest.raises(SystemExit, match="is not a moe-lc tree"):
         ab.variant_environment([f"@{tmp_path / 'scratch'}"], tmp_path)

@@ -234,6 +234,9 @@ COMMANDS: dict[str, object] = {
         "bwd_resident_rows=2",
         "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 1 --steps 4 --warmup 2 --variant gb131k= "
         "--variant gb524k=curriculum.stages.ctx8k.global_batch_tokens=524288",
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 1 --steps 5 --warmup 2 --variant "
+        "no_keys=model.mla.keys_backend=torch --variant after= --variant "
+        "bwd_only=MOE_LC_DEPTH_MIXTURE_TUNING=fwd_resident_max_d=0,bwd_resident_per_sm=1",
     )},
     # launch/ comments
     "bash launch/train_single_node.sh recipe=proxy-8k": Run(PROXY + " run_dir=runs/proxy-8k", env="MAX_RESTARTS=0"),
