@@ -28,7 +28,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # 128 x 64 at 4 warps: f+b 0.63 ms (64 x 64 at 8 warps everywhere: 0.92; torch: 5.57). The fwd_*
 # choices also launch the SiLU backward kernel.
 # MOE_LC_SHORT_CONV_TUNING="key=value,..." overrides (a choice tried in a whole step: benchmarks/bench_ab.py).
-TUNING = dict(fwd_bt=64, fwd_bc=64, fwd_warps=4, bwd_bt=128, bwd_bc=64, bwd_warps=4)
+# ``rows``: 1 runs the row kernels (short_conv_triton.py: each program walks its BT rows ``rows_r`` at a
+# time, every row loaded once) with the same tile choices, 0 the tile kernels.
+TUNING = dict(fwd_bt=64, fwd_bc=64, fwd_warps=4, bwd_bt=128, bwd_bc=64, bwd_warps=4, rows=0, rows_r=8)
 TUNING.update(parse_launch_choices(os.environ.get("MOE_LC_SHORT_CONV_TUNING", ""), TUNING, "short conv"))
 
 
@@ -39,6 +41,16 @@ def _blocks(T: int, C: int, prefix: str) -> tuple[int, int, int]:
     bt = min(TUNING[f"{prefix}_bt"], triton.next_power_of_2(T))
     bc = min(TUNING[f"{prefix}_bc"], triton.next_power_of_2(C))
     return bt, bc, TUNING[f"{prefix}_warps"]
+
+
+def _row_step(bt: int) -> Optional[int]:
+    """Rows a step of the row kernels for a program of ``bt`` rows (None: the tile kernels run)."""
+    if not TUNING["rows"]:
+        return None
+    step = min(TUNING["rows_r"], bt)
+    if step < 1 or bt % step:
+        raise ValueError(f"short conv tuning: rows_r={TUNING['rows_r']} must divide the program's {bt} rows")
+    return step
 
 
 def _pieces(t: Tensor, pieces: int) -> list[Tensor]:
@@ -59,10 +71,16 @@ class _ShortConvFunction(torch.autograd.Function):
         width = C // pieces
         ys = [x.new_empty(B, T, width) for _ in range(pieces)]
         bt, bc, warps = _blocks(T, width, "fwd")
+        step = _row_step(bt)
         for xg, wg, y in zip(_pieces(x, pieces), weight.split(width), ys):  # one launch per group
-            kt.short_conv_fwd_kernel[(triton.cdiv(T, bt), triton.cdiv(width, bc), B)](
-                xg, wg, pos if pos is not None else x, y, T, width, C, width, W=W, BT=bt, BC=bc,
-                HAS_DOCS=pos is not None, SILU=silu, num_warps=warps)
+            grid = (triton.cdiv(T, bt), triton.cdiv(width, bc), B)
+            args = (xg, wg, pos if pos is not None else x, y, T, width, C, width)
+            if step is None:
+                kt.short_conv_fwd_kernel[grid](*args, W=W, BT=bt, BC=bc, HAS_DOCS=pos is not None, SILU=silu,
+                                               num_warps=warps)
+            else:
+                kt.short_conv_fwd_rows_kernel[grid](*args, W=W, BT=bt, R=step, BC=bc, HAS_DOCS=pos is not None,
+                                                    SILU=silu, num_warps=warps)
         ctx.save_for_backward(x, weight, pos)
         ctx.silu, ctx.pieces = silu, pieces
         return ys[0] if pieces == 1 else tuple(ys)
@@ -88,18 +106,30 @@ class _ShortConvFunction(torch.autograd.Function):
             # output gradient and writes its channels of dy (no concatenation of the groups).
             dy = torch.empty_like(x)
             bt, bc, warps = _blocks(T, width, "fwd")
+            step = _row_step(bt)
             for xg, wg, dout, dyg in zip(_pieces(x, ctx.pieces), weight.split(width), douts, _pieces(dy, ctx.pieces)):
-                kt.short_conv_bwd_silu_kernel[(triton.cdiv(T, bt), triton.cdiv(width, bc), B)](
-                    xg, wg, pos_arg, dout, dyg, T, width, C, width, W=W, BT=bt, BC=bc, HAS_DOCS=has_docs,
-                    num_warps=warps)
+                grid = (triton.cdiv(T, bt), triton.cdiv(width, bc), B)
+                args = (xg, wg, pos_arg, dout, dyg, T, width, C, width)
+                if step is None:
+                    kt.short_conv_bwd_silu_kernel[grid](*args, W=W, BT=bt, BC=bc, HAS_DOCS=has_docs, num_warps=warps)
+                else:
+                    kt.short_conv_bwd_silu_rows_kernel[grid](*args, W=W, BT=bt, R=step, BC=bc, HAS_DOCS=has_docs,
+                                                             num_warps=warps)
         else:
             dy = torch.cat(douts, dim=-1).to(x.dtype)
         bt, bc, warps = _blocks(T, C, "bwd")
         t_blocks = triton.cdiv(T, bt)
         dx = torch.empty_like(x)
         dw_part = torch.empty(B * t_blocks, W, C, device=x.device, dtype=torch.float32)
-        kt.short_conv_bwd_kernel[(t_blocks, triton.cdiv(C, bc), B)](
-            x, weight, pos_arg, dy, dx, dw_part, T, C, W=W, BT=bt, BC=bc, HAS_DOCS=has_docs, num_warps=warps)
+        grid = (t_blocks, triton.cdiv(C, bc), B)
+        step = _row_step(bt)
+        if step is None:
+            kt.short_conv_bwd_kernel[grid](x, weight, pos_arg, dy, dx, dw_part, T, C, W=W, BT=bt, BC=bc,
+                                           HAS_DOCS=has_docs, num_warps=warps)
+        else:
+            kt.short_conv_bwd_rows_kernel[grid](x, weight, pos_arg, dy, dx, dw_part, T, C, W=W,
+                                                WP=triton.next_power_of_2(W), BT=bt, R=step, BC=bc,
+                                                HAS_DOCS=has_docs, num_warps=warps)
         dweight = dw_part.sum(0).t().contiguous().to(weight.dtype)
         return dx, dweight, None, None, None
 

@@ -108,3 +108,136 @@ def short_conv_bwd_kernel(x, w, pos, dy, dx, dw_part, T, C, W: tl.constexpr, BT:
         xj = tl.load(x + rows[:, None] + c[None, :], mask=okx[:, None] & c_in[None, :], other=0.0)
         tl.store(part + (W - 1 - j) * C + c, tl.sum(g * xj.to(tl.float32), axis=0), mask=c_in)
     tl.store(dx + offs, acc.to(dx.dtype.element_ty), mask=t_in[:, None] & c_in[None, :])
+
+
+# The row kernels: the same three results, each program walking its BT rows R at a time, every row a
+# [BC] tensor of its own. The W shifted reads of a [BT, BC] tile above are W loads of overlapping
+# rows in flight at once, which the SM's L1 does not merge: each reaches L2, so x (and dy) cross L2
+# about W times. Here a step of R rows loads its R new rows and the W - 1 before them (the previous
+# step's last rows, already in L1) once each, and a shifted row is another tuple element: x crosses
+# L2 (R + W - 1) / R times at a program's first step and about once after it.
+
+
+@triton.jit
+def _row_mask(c, c_in, t, T):
+    """Channels c of row t, where row t is in [0, T) (a tensor mask whatever t is: in Triton's
+    interpreter a step's row index is a Python int)."""
+    rows = t + tl.zeros_like(c)
+    return c_in & (rows >= 0) & (rows < T)
+
+
+@triton.jit
+def _row_tuple(ptr, row0, t_first, n: tl.constexpr, c, c_in, T, RS):
+    """Rows t_first .. t_first + n - 1 (of the batch row starting at row0, rows RS apart), fp32 [BC]
+    each, 0 outside [0, T)."""
+    rows = ()
+    for i in tl.static_range(n):
+        t = t_first + i
+        offs = (row0 + t).to(tl.int64) * RS + c
+        rows = rows + (tl.load(ptr + offs, mask=_row_mask(c, c_in, t, T), other=0.0).to(tl.float32),)
+    return rows
+
+
+@triton.jit
+def _position_tuple(pos, t_first, n: tl.constexpr, T, HAS_DOCS: tl.constexpr):
+    """Positions in their documents of rows t_first .. t_first + n - 1 (0 past T; t itself without
+    documents)."""
+    out = ()
+    for i in tl.static_range(n):
+        t = t_first + i
+        if HAS_DOCS:
+            out = out + (tl.load(pos + t, mask=(t >= 0) & (t < T), other=0),)
+        else:
+            out = out + (t,)
+    return out
+
+
+@triton.jit
+def _tap_weights(w, c, c_in, W: tl.constexpr):
+    """weight[c, W-1-j] for every tap j, fp32 [BC] each."""
+    taps = ()
+    for j in tl.static_range(W):
+        taps = taps + (tl.load(w + c * W + (W - 1 - j), mask=c_in, other=0.0).to(tl.float32),)
+    return taps
+
+
+@triton.jit
+def _conv_row(xs, taps, p, r: tl.constexpr, W: tl.constexpr):
+    """The pre-activation of the step's row r, from xs (the step's rows from W - 1 before its first)."""
+    acc = taps[0] * xs[r + W - 1]
+    for j in tl.static_range(1, W):
+        acc += tl.where(p >= j, taps[j] * xs[r + W - 1 - j], 0.0)
+    return acc
+
+
+@triton.jit
+def short_conv_fwd_rows_kernel(x, w, pos, y, T, C, XS, YS, W: tl.constexpr, BT: tl.constexpr, R: tl.constexpr,
+                               BC: tl.constexpr, HAS_DOCS: tl.constexpr, SILU: tl.constexpr):
+    """``short_conv_fwd_kernel``'s y, R rows a step."""
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    c_in = c < C
+    row0 = tl.program_id(2) * T
+    taps = _tap_weights(w, c, c_in, W)
+    for start in range(tl.program_id(0) * BT, tl.minimum(tl.program_id(0) * BT + BT, T), R):
+        xs = _row_tuple(x, row0, start - (W - 1), R + W - 1, c, c_in, T, XS)
+        ps = _position_tuple(pos, start, R, T, HAS_DOCS)
+        for r in tl.static_range(R):
+            acc = _conv_row(xs, taps, ps[r], r, W)
+            if SILU:
+                acc = acc * tl.sigmoid(acc)
+            t = start + r
+            tl.store(y + (row0 + t).to(tl.int64) * YS + c, acc.to(y.dtype.element_ty), mask=_row_mask(c, c_in, t, T))
+
+
+@triton.jit
+def short_conv_bwd_silu_rows_kernel(x, w, pos, dout, dy, T, C, XS, YS, W: tl.constexpr, BT: tl.constexpr,
+                                    R: tl.constexpr, BC: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """``short_conv_bwd_silu_kernel``'s dy, R rows a step."""
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    c_in = c < C
+    row0 = tl.program_id(2) * T
+    taps = _tap_weights(w, c, c_in, W)
+    for start in range(tl.program_id(0) * BT, tl.minimum(tl.program_id(0) * BT + BT, T), R):
+        xs = _row_tuple(x, row0, start - (W - 1), R + W - 1, c, c_in, T, XS)
+        ps = _position_tuple(pos, start, R, T, HAS_DOCS)
+        for r in tl.static_range(R):
+            t = start + r
+            ok = _row_mask(c, c_in, t, T)
+            offs = (row0 + t).to(tl.int64)
+            acc = _conv_row(xs, taps, ps[r], r, W)
+            g = tl.load(dout + offs * YS + c, mask=ok, other=0.0).to(tl.float32)
+            s = tl.sigmoid(acc)
+            tl.store(dy + offs * XS + c, (g * s * (1.0 + acc * (1.0 - s))).to(dy.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def short_conv_bwd_rows_kernel(x, w, pos, dy, dx, dw_part, T, C, W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr,
+                               R: tl.constexpr, BC: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """``short_conv_bwd_kernel``'s dx and dweight partial sums (the same [programs, W, C] layout), R rows a
+    step: dy from the step's first row to W - 1 past its last, x from W - 1 before it to its last."""
+    pid_t = tl.program_id(0)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    c_in = c < C
+    row0 = tl.program_id(2) * T
+    taps = _tap_weights(w, c, c_in, W)
+    tap_rows = tl.arange(0, WP)
+    dw = tl.zeros([WP, BC], dtype=tl.float32)  # row W-1-j: tap j's sum over this program's rows
+    for start in range(pid_t * BT, tl.minimum(pid_t * BT + BT, T), R):
+        gs = _row_tuple(dy, row0, start, R + W - 1, c, c_in, T, C)
+        xs = _row_tuple(x, row0, start - (W - 1), R + W - 1, c, c_in, T, C)
+        ps = _position_tuple(pos, start, R + W - 1, T, HAS_DOCS)
+        for j in tl.static_range(W):
+            tap_sum = tl.zeros([BC], dtype=tl.float32)
+            for r in tl.static_range(R):
+                # dweight: output row t read x[t - j] through tap j when pos[t] >= j
+                tap_sum += tl.where(ps[r] >= j, gs[r] * xs[r + W - 1 - j], 0.0)
+            dw += tl.where(tap_rows[:, None] == W - 1 - j, tap_sum[None, :], 0.0)
+        for r in tl.static_range(R):
+            # dx: output row t + j read x[t] through tap j when pos[t + j] >= j
+            acc = taps[0] * gs[r]
+            for j in tl.static_range(1, W):
+                acc += tl.where(ps[r + j] >= j, taps[j] * gs[r + j], 0.0)
+            t = start + r
+            tl.store(dx + (row0 + t).to(tl.int64) * C + c, acc.to(dx.dtype.element_ty), mask=_row_mask(c, c_in, t, T))
+    part = dw_part + (tl.program_id(2) * tl.num_programs(0) + pid_t).to(tl.int64) * (W * C)
+    tl.store(part + tap_rows[:, None] * C + c[None, :], dw, mask=(tap_rows < W)[:, None] & c_in[None, :])

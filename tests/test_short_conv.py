@@ -34,11 +34,12 @@ TOL = 1e-5  # fp32 kernels vs float64 (measured ~1e-7)
 DOC_LENS = [1, 2, 3, 7, 20, 1, 33, 2, 41]  # 110 tokens; boundaries fall inside and across 16-row tiles
 
 
-@pytest.fixture
-def small_tiles(monkeypatch):
-    """Tiles of 16 x 32 so that T = 50..150 spans several T blocks and C = 40 two channel blocks."""
-    monkeypatch.setattr(kernel_module, "TUNING", dict(fwd_bt=16, fwd_bc=32, fwd_warps=4,
-                                                       bwd_bt=16, bwd_bc=32, bwd_warps=4))
+@pytest.fixture(params=["tiles", "rows"])
+def small_tiles(monkeypatch, request):
+    """Tiles of 16 x 32 so that T = 50..150 spans several T blocks and C = 40 two channel blocks; each
+    test runs the tile kernels and the row kernels (steps of 4 rows: four steps a program)."""
+    monkeypatch.setattr(kernel_module, "TUNING", dict(fwd_bt=16, fwd_bc=32, fwd_warps=4, bwd_bt=16, bwd_bc=32,
+                                                       bwd_warps=4, rows=int(request.param == "rows"), rows_r=4))
 
 
 def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
