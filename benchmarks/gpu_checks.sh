@@ -40,13 +40,12 @@ step prenorm_kernels python benchmarks/bench_depth_mixture.py --pre-norm --sourc
 step ab_prenorm python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 2 --steps 5 --warmup 3 \
     --variant apart=model.attn_res.fused_norm=false --variant fused= --out "$OUT/ab_prenorm.json"
 # the depth mixture's resident kernels (whole rows in registers, on by default, docs/performance.md
-# §12.17): the kernels by launch choice, and the step interleaved against the tiled kernels at
-# k3-small's 20 layers (an H200; on an H100 add model.num_layers=8) and with the backward alone resident
+# §12.17, §12.19): the kernels by launch choice, and the step at k3-small's 20 layers (an H200; on an
+# H100 add model.num_layers=8) against the forward tiled (its resident forward ran slower in §12.19's trace)
 step depth_mixture_kernels python benchmarks/bench_depth_mixture.py --pre-norm --no-compile --sources 2,3,4 \
-    --variants "fwd_resident_max_d=0,bwd_resident_max_d=0;fwd_resident_max_d=0,bwd_resident_per_sm=1"
+    --variants "fwd_resident_max_d=0,bwd_resident_max_d=0;fwd_resident_max_d=0"
 step ab_depth_mixture python benchmarks/bench_ab.py k3-small-8k --rounds 2 --steps 5 --warmup 3 \
-    --variant tiled=MOE_LC_DEPTH_MIXTURE_TUNING=fwd_resident_max_d=0,bwd_resident_max_d=0 --variant resident= \
-    --variant bwd_only=MOE_LC_DEPTH_MIXTURE_TUNING=fwd_resident_max_d=0,bwd_resident_per_sm=1 \
+    --variant resident= --variant fwd_tiled=MOE_LC_DEPTH_MIXTURE_TUNING=fwd_resident_max_d=0 \
     --out "$OUT/ab_depth_mixture.json"
 # the fused router and counting sort (moe.router_backend, off by default: no faster on an H100 at
 # k3-small's layers, docs/performance.md §12.10): their tests, the step interleaved against the
@@ -63,6 +62,14 @@ step compare_paths_router python benchmarks/compare_paths.py --recipe proxy-8k -
 # step, interleaved against its default 128-row tiles (~8 minutes: STEP_TIMEOUT=580)
 step ab_short_conv python benchmarks/bench_ab.py k3-small-8k --variant base= \
     --variant conv64=MOE_LC_SHORT_CONV_TUNING=bwd_bt=64 --rounds 2 --steps 5 --warmup 3 --out "$OUT/ab_short_conv.json"
+# the short convolution's row kernels (MOE_LC_SHORT_CONV_TUNING=rows=1, off by default, docs/performance.md
+# §8): their tests, the kernels at the model's shape against the tiles, and the step interleaved
+step short_conv_rows_tests python -m pytest -q -rfEs -p no:cacheprovider tests/test_short_conv.py
+step short_conv_rows python benchmarks/bench_short_conv.py --shapes kda_qkv_B1_T16K_C6144_docs --repeats 40 \
+    --tuning ";rows=1,fwd_bc=256,fwd_warps=2,bwd_bc=256,bwd_warps=2;rows=1,fwd_bc=512,bwd_bc=512,bwd_bt=64;rows=1,fwd_bc=256,fwd_warps=2,bwd_bc=256,bwd_warps=2,bwd_bt=64;"
+step ab_short_conv_rows python benchmarks/bench_ab.py k3-small-8k --rounds 2 --steps 5 --warmup 3 --variant tiles= \
+    --variant rows=MOE_LC_SHORT_CONV_TUNING=rows=1,fwd_bc=256,fwd_warps=2,bwd_bc=256,bwd_warps=2 \
+    --out "$OUT/ab_short_conv_rows.json"
 # the proxy through the trainer on every GPU here, its stages unedited (one and two GPUs: issue 17)
 step train_proxy_8k torchrun --standalone --nproc-per-node "$(python -c 'import torch; print(torch.cuda.device_count())')" \
     -m moe_lc.train recipe=proxy-8k max_steps=20 run_dir="$OUT/run_proxy_8k" eval.sequences=0 eval.passkey_documents=0
