@@ -79,8 +79,9 @@ class _ShortConvFunction(torch.autograd.Function):
                 kt.short_conv_fwd_kernel[grid](*args, W=W, BT=bt, BC=bc, HAS_DOCS=pos is not None, SILU=silu,
                                                num_warps=warps)
             else:
-                kt.short_conv_fwd_rows_kernel[grid](*args, W=W, BT=bt, R=step, BC=bc, HAS_DOCS=pos is not None,
-                                                    SILU=silu, num_warps=warps)
+                kt.short_conv_rows_kernel[grid](xg, wg, args[2], xg, y, T, width, C, width, width, W=W, BT=bt, R=step,
+                                                BC=bc, HAS_DOCS=pos is not None, SILU=silu, SILU_GRAD=False,
+                                                num_warps=warps)
         ctx.save_for_backward(x, weight, pos)
         ctx.silu, ctx.pieces = silu, pieces
         return ys[0] if pieces == 1 else tuple(ys)
@@ -113,8 +114,9 @@ class _ShortConvFunction(torch.autograd.Function):
                 if step is None:
                     kt.short_conv_bwd_silu_kernel[grid](*args, W=W, BT=bt, BC=bc, HAS_DOCS=has_docs, num_warps=warps)
                 else:
-                    kt.short_conv_bwd_silu_rows_kernel[grid](*args, W=W, BT=bt, R=step, BC=bc, HAS_DOCS=has_docs,
-                                                             num_warps=warps)
+                    kt.short_conv_rows_kernel[grid](xg, wg, pos_arg, dout, dyg, T, width, C, width, C, W=W, BT=bt,
+                                                    R=step, BC=bc, HAS_DOCS=has_docs, SILU=True, SILU_GRAD=True,
+                                                    num_warps=warps)
         else:
             dy = torch.cat(douts, dim=-1).to(x.dtype)
         bt, bc, warps = _blocks(T, C, "bwd")

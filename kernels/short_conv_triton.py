@@ -34,6 +34,13 @@ def _conv_tile(x, w, row0, t, c, p, t_in, c_in, XS, W: tl.constexpr, BT: tl.cons
 
 
 @triton.jit
+def _silu_grad(g, y):
+    """g * silu'(y): silu'(y) = s (1 + y (1 - s)), s = sigmoid(y)."""
+    s = tl.sigmoid(y)
+    return g * s * (1.0 + y * (1.0 - s))
+
+
+@triton.jit
 def _positions(pos, t, t_in, HAS_DOCS: tl.constexpr):
     """Position of rows t in their documents (t itself without documents)."""
     if HAS_DOCS:
@@ -74,8 +81,7 @@ def short_conv_bwd_silu_kernel(x, w, pos, dout, dy, T, C, XS, YS, W: tl.constexp
     rows = (row0 + t).to(tl.int64)[:, None]
     mask = t_in[:, None] & c_in[None, :]
     g = tl.load(dout + rows * YS + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = tl.sigmoid(acc)
-    tl.store(dy + rows * XS + c[None, :], (g * s * (1.0 + acc * (1.0 - s))).to(dy.dtype.element_ty), mask=mask)
+    tl.store(dy + rows * XS + c[None, :], _silu_grad(g, acc).to(dy.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -171,28 +177,10 @@ def _conv_row(xs, taps, p, r: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def short_conv_fwd_rows_kernel(x, w, pos, y, T, C, XS, YS, W: tl.constexpr, BT: tl.constexpr, R: tl.constexpr,
-                               BC: tl.constexpr, HAS_DOCS: tl.constexpr, SILU: tl.constexpr):
-    """``short_conv_fwd_kernel``'s y, R rows a step."""
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    c_in = c < C
-    row0 = tl.program_id(2) * T
-    taps = _tap_weights(w, c, c_in, W)
-    for start in range(tl.program_id(0) * BT, tl.minimum(tl.program_id(0) * BT + BT, T), R):
-        xs = _row_tuple(x, row0, start - (W - 1), R + W - 1, c, c_in, T, XS)
-        ps = _position_tuple(pos, start, R, T, HAS_DOCS)
-        for r in tl.static_range(R):
-            acc = _conv_row(xs, taps, ps[r], r, W)
-            if SILU:
-                acc = acc * tl.sigmoid(acc)
-            t = start + r
-            tl.store(y + (row0 + t).to(tl.int64) * YS + c, acc.to(y.dtype.element_ty), mask=_row_mask(c, c_in, t, T))
-
-
-@triton.jit
-def short_conv_bwd_silu_rows_kernel(x, w, pos, dout, dy, T, C, XS, YS, W: tl.constexpr, BT: tl.constexpr,
-                                    R: tl.constexpr, BC: tl.constexpr, HAS_DOCS: tl.constexpr):
-    """``short_conv_bwd_silu_kernel``'s dy, R rows a step."""
+def short_conv_rows_kernel(x, w, pos, dout, out, T, C, XS, YS, OS, W: tl.constexpr, BT: tl.constexpr, R: tl.constexpr,
+                           BC: tl.constexpr, HAS_DOCS: tl.constexpr, SILU: tl.constexpr, SILU_GRAD: tl.constexpr):
+    """``short_conv_fwd_kernel``'s y (rows OS apart), or with SILU_GRAD ``short_conv_bwd_silu_kernel``'s dy
+    (dout's rows YS apart, dy's OS), R rows a step."""
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     c_in = c < C
     row0 = tl.program_id(2) * T
@@ -205,9 +193,11 @@ def short_conv_bwd_silu_rows_kernel(x, w, pos, dout, dy, T, C, XS, YS, W: tl.con
             ok = _row_mask(c, c_in, t, T)
             offs = (row0 + t).to(tl.int64)
             acc = _conv_row(xs, taps, ps[r], r, W)
-            g = tl.load(dout + offs * YS + c, mask=ok, other=0.0).to(tl.float32)
-            s = tl.sigmoid(acc)
-            tl.store(dy + offs * XS + c, (g * s * (1.0 + acc * (1.0 - s))).to(dy.dtype.element_ty), mask=ok)
+            if SILU_GRAD:
+                acc = _silu_grad(tl.load(dout + offs * YS + c, mask=ok, other=0.0).to(tl.float32), acc)
+            elif SILU:
+                acc = acc * tl.sigmoid(acc)
+            tl.store(out + offs * OS + c, acc.to(out.dtype.element_ty), mask=ok)
 
 
 @triton.jit
