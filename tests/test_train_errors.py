@@ -199,10 +199,26 @@ def test_resume_takes_other_backends_and_checkpoints_from_before_an_execution_fi
     saved = read_trainer_state(checkpoint)
     cfg = compose_recipe("smoke", [*ONE_STEP, f"run_dir={run_dir}"])
     del saved.model["mla"]["fused_projections"]
+    del saved.model["mla"]["keys_backend"]
     check_compatible(saved, cfg, checkpoint)
     saved.model["mla"]["kv_lora_rank"] += 1
     with pytest.raises(ConfigError, match="different model.*kv_lora_rank"):
         check_compatible(saved, cfg, checkpoint)
+
+
+def test_every_backend_and_fused_option_of_the_model_may_change_on_resume():
+    """A new backend or fused-path option (how the same weights compute) must join
+    MODEL_FIELDS_FREE_TO_CHANGE, or every checkpoint written before it existed stops resuming."""
+    from moe_lc.presets import get_preset
+    from moe_lc.train.resume import MODEL_FIELDS_FREE_TO_CHANGE
+
+    def keys(d: dict, prefix: str = "") -> list[str]:
+        return [k for name, v in d.items() for k in (keys(v, f"{prefix}{name}.") if isinstance(v, dict)
+                                                     else [f"{prefix}{name}"])]
+
+    execution = [k for k in keys(get_preset("tiny").to_dict())
+                 if k.rsplit(".", 1)[-1].endswith("backend") or k.rsplit(".", 1)[-1].startswith("fused_")]
+    assert execution and set(execution) <= MODEL_FIELDS_FREE_TO_CHANGE, set(execution) - MODEL_FIELDS_FREE_TO_CHANGE
 
 
 def test_fresh_start_over_existing_checkpoints_is_refused(capsys, trained):

@@ -43,7 +43,8 @@ CHECKPOINT_FORMAT = 2
 # before such a field existed lacks it, and resumes too.
 # mla.fp32_output: a removed option that changed no weights (checkpoints written before its removal carry it)
 MODEL_FIELDS_FREE_TO_CHANGE = {
-    "name", "kda.backend", "kda.fused_projections", "mla.fused_projections", "mla.fp32_output", "attn_res.backend",
+    "name", "kda.backend", "kda.fused_projections", "mla.fused_projections", "mla.fp32_output", "mla.keys_backend",
+    "attn_res.backend",
     "attn_res.fused_norm",
     "moe.fused_projections", "moe.dispatch_backend", "moe.router_backend", "fused_loss",
 }
