@@ -225,9 +225,10 @@ class _DepthMixtureFunction(torch.autograd.Function):
                 if so_far is not None:  # the kernel adds one tensor: fold the seed into the sum first
                     so_far.add_(seed)
                     seed = None
+            addend = so_far if so_far is not None else seed
             dsources.append(torch.empty_like(v) if so_far is None else so_far)
-            seeds.append(so_far if so_far is not None else seed if seed is not None else dsources[-1])
-            add_to |= (so_far is not None or seed is not None) << i
+            seeds.append(dsources[-1] if addend is None else addend)  # read only where bit i of ADD_TO is set
+            add_to |= (addend is not None) << i
         dsources, seeds = tuple(dsources), tuple(seeds)
         norm = out_gain is not None
         resident = _resident_shape(N, D, S, grad.device, "bwd")

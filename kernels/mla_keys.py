@@ -12,6 +12,8 @@ inputs and picks these kernels or its PyTorch reference).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -62,13 +64,21 @@ class _MLAKeysFunction(torch.autograd.Function):
         return dkv, dshared, None
 
 
+def shape_error(kv: Tensor, shared: Tensor, nope: int) -> Optional[str]:
+    """What is wrong with the shapes of kv, shared and nope for MLA's keys (None when nothing is)."""
+    if kv.dim() != 4 or shared.dim() != 3 or shared.shape[:2] != kv.shape[:2] or not 0 < nope < kv.shape[-1]:
+        return (f"kv [B, S, H, nope + V] and shared [B, S, SH] with 0 < nope < nope + V, got kv {tuple(kv.shape)}, "
+                f"shared {tuple(shared.shape)}, nope {nope}")
+    return None
+
+
 def mla_keys_triton(kv: Tensor, shared: Tensor, nope: int) -> tuple[Tensor, Tensor]:
     """(k, v): k [B, S, H, nope + SH] contiguous, each head's kv[..., :nope] then ``shared`` [B, S, SH];
     v = kv[..., nope:] (a view). kv [B, S, H, nope + V] with its last dim contiguous, shared's last
     dim contiguous, one dtype (fp32/bf16/fp16) and device."""
-    if kv.dim() != 4 or shared.dim() != 3 or shared.shape[:2] != kv.shape[:2] or not 0 < nope < kv.shape[-1]:
-        raise ValueError(f"mla_keys_triton: kv [B, S, H, nope + V] and shared [B, S, SH] with 0 < nope < nope + V, "
-                         f"got kv {tuple(kv.shape)}, shared {tuple(shared.shape)}, nope {nope}")
+    problem = shape_error(kv, shared, nope)
+    if problem is not None:
+        raise ValueError(f"mla_keys_triton: {problem}")
     if kv.dtype != shared.dtype or kv.dtype not in DTYPES or kv.device != shared.device:
         raise ValueError(f"mla_keys_triton: kv and shared must share an fp32/bf16/fp16 dtype and a device, got "
                          f"{kv.dtype} on {kv.device} and {shared.dtype} on {shared.device}")

@@ -72,15 +72,16 @@ class _ShortConvFunction(torch.autograd.Function):
         ys = [x.new_empty(B, T, width) for _ in range(pieces)]
         bt, bc, warps = _blocks(T, width, "fwd")
         step = _row_step(bt)
+        has_docs = pos is not None
+        pos_arg = pos if has_docs else x
         for xg, wg, y in zip(_pieces(x, pieces), weight.split(width), ys):  # one launch per group
             grid = (triton.cdiv(T, bt), triton.cdiv(width, bc), B)
-            args = (xg, wg, pos if pos is not None else x, y, T, width, C, width)
             if step is None:
-                kt.short_conv_fwd_kernel[grid](*args, W=W, BT=bt, BC=bc, HAS_DOCS=pos is not None, SILU=silu,
-                                               num_warps=warps)
-            else:
-                kt.short_conv_rows_kernel[grid](xg, wg, args[2], xg, y, T, width, C, width, width, W=W, BT=bt, R=step,
-                                                BC=bc, HAS_DOCS=pos is not None, SILU=silu, SILU_GRAD=False,
+                kt.short_conv_fwd_kernel[grid](xg, wg, pos_arg, y, T, width, C, width, W=W, BT=bt, BC=bc,
+                                               HAS_DOCS=has_docs, SILU=silu, num_warps=warps)
+            else:  # no output gradient to read: x stands in for it
+                kt.short_conv_rows_kernel[grid](xg, wg, pos_arg, xg, y, T, width, C, width, width, W=W, BT=bt, R=step,
+                                                BC=bc, HAS_DOCS=has_docs, SILU=silu, SILU_GRAD=False,
                                                 num_warps=warps)
         ctx.save_for_backward(x, weight, pos)
         ctx.silu, ctx.pieces = silu, pieces
@@ -110,9 +111,9 @@ class _ShortConvFunction(torch.autograd.Function):
             step = _row_step(bt)
             for xg, wg, dout, dyg in zip(_pieces(x, ctx.pieces), weight.split(width), douts, _pieces(dy, ctx.pieces)):
                 grid = (triton.cdiv(T, bt), triton.cdiv(width, bc), B)
-                args = (xg, wg, pos_arg, dout, dyg, T, width, C, width)
                 if step is None:
-                    kt.short_conv_bwd_silu_kernel[grid](*args, W=W, BT=bt, BC=bc, HAS_DOCS=has_docs, num_warps=warps)
+                    kt.short_conv_bwd_silu_kernel[grid](xg, wg, pos_arg, dout, dyg, T, width, C, width, W=W, BT=bt,
+                                                        BC=bc, HAS_DOCS=has_docs, num_warps=warps)
                 else:
                     kt.short_conv_rows_kernel[grid](xg, wg, pos_arg, dout, dyg, T, width, C, width, C, W=W, BT=bt,
                                                     R=step, BC=bc, HAS_DOCS=has_docs, SILU=True, SILU_GRAD=True,

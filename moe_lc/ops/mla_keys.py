@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from moe_lc.ops.backend_choice import choose_backend, triton_device_reason
-from moe_lc_kernels.mla_keys import DTYPES, mla_keys_triton
+from moe_lc_kernels.mla_keys import DTYPES, mla_keys_triton, shape_error
 
 __all__ = ["mla_keys_reference", "mla_keys", "resolve_backend", "triton_unsupported_reason"]
 
@@ -59,9 +59,9 @@ def mla_keys(kv: Tensor, shared: Tensor, nope: int, backend: str = "auto") -> tu
     Backends: "torch" (the reference), "triton" (one kernel each way; kv and shared of one
     fp32/bf16/fp16 dtype with contiguous last dims), "auto" (triton for such CUDA inputs, else torch).
     """
-    if kv.dim() != 4 or shared.dim() != 3 or shared.shape[:2] != kv.shape[:2] or not 0 < nope < kv.shape[-1]:
-        raise ValueError(f"mla_keys: kv [B, S, H, nope + V] and shared [B, S, SH] with 0 < nope < nope + V, "
-                         f"got kv {tuple(kv.shape)}, shared {tuple(shared.shape)}, nope {nope}")
+    problem = shape_error(kv, shared, nope)
+    if problem is not None:
+        raise ValueError(f"mla_keys: {problem}")
     if resolve_backend(kv, shared, backend) == "torch":
         return mla_keys_reference(kv, shared, nope)
     return _mla_keys_fused(kv, shared, nope)
