@@ -76,7 +76,7 @@ def train(cfg, runtime, steps: int, plain: bool) -> tuple[list[float], float]:
         model_cfg.fp32_embedding = True  # the stream as it was: fp32 mixtures (docs/design.md §7.5)
         model_cfg.attn_res.backend = "torch"  # the depth mixture in PyTorch
         model_cfg.attn_res.fused_norm = False  # its pre-norms in their own calls (implied by the above)
-        model_cfg.fused_loss = False  # the LM loss in checkpointed chunks
+        model_cfg.fused_loss = False  # the LM loss in checkpointed chunks (loss_backend then unused)
         model_cfg.moe.dispatch_backend = "torch"  # the token permutation in PyTorch
         model_cfg.moe.fused_projections = False  # the router, W_down and the shared experts one by one
         model_cfg.kda.fused_projections = False  # KDA's six projections of x one by one

@@ -138,6 +138,9 @@ class ModelConfig:
     # The training loss computes its gradients chunk by chunk in the forward where the head is plain
     # (docs/design.md §7.1); false: checkpointed chunks whose logits are recomputed in backward.
     fused_loss: bool = True
+    # The fused loss's elementwise part (softmax and gradient of each chunk's logits): auto (compiled on
+    # CUDA, eager elsewhere), torch, compiled or triton (moe_lc.ops.linear_cross_entropy).
+    loss_backend: str = "auto"
     norm_eps: float = 1e-6
     init_std: float = 0.02
 
@@ -200,6 +203,8 @@ class ModelConfig:
         _require(m.qk_nope_dim > 0, f"mla.qk_nope_dim={m.qk_nope_dim} must be positive")
         _require(m.qk_rope_dim >= 0, f"mla.qk_rope_dim={m.qk_rope_dim} must be >= 0")
         _require(m.v_dim > 0, f"mla.v_dim={m.v_dim} must be positive")
+        _require(self.loss_backend in ("auto", "torch", "compiled", "triton"),
+                 f"loss_backend={self.loss_backend!r}: use auto, torch, compiled or triton")
         _require(m.keys_backend in ("auto", "torch", "triton"),
                  f"mla.keys_backend={m.keys_backend!r}: use auto, torch or triton")
 

@@ -16,6 +16,7 @@ from moe_lc.metrics.breakdown import component_ranges
 from moe_lc.model.init import build_model
 from moe_lc.model.transformer import IGNORE_INDEX
 from moe_lc.ops.linear_cross_entropy import chunk_loss, chunk_loss_and_grad, linear_cross_entropy, resolve_backend
+from moe_lc_kernels import cross_entropy as triton_ce
 from reference_checks import FLOAT64_RTOL, randomize, rel
 
 BF16_RTOL = 1e-2  # docs/testing.md, Tolerances: bf16 against a reference
@@ -301,8 +302,9 @@ def test_backend_choice():
     assert resolve_backend(torch.device("cuda")) == "compiled"  # a device object; nothing runs
     assert resolve_backend(torch.device("cuda"), "torch") == "torch"
     assert resolve_backend(torch.device("cpu"), "compiled") == "compiled"
+    assert resolve_backend(torch.device("cpu"), "triton") == "triton"  # Triton's interpreter (conftest)
     with pytest.raises(ValueError, match="unknown backend"):
-        resolve_backend(torch.device("cpu"), "triton")
+        resolve_backend(torch.device("cpu"), "cuda")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -319,3 +321,94 @@ def test_compiled_chunk_kernel_matches_the_eager_reference_on_cuda():
     assert got_grad.dtype == torch.bfloat16
     assert ((got_grad.float() - want_grad.float()).abs() <= 2**-8 * want_grad.float().abs() + 1e-6).all()
     assert rel(lce._compiled(chunk_loss)(logits, labels), chunk_loss(logits, labels)) < 1e-5
+
+
+def rows_formula(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss [n], gradient [n, V]) in float64 from the formula: logsumexp - z[y]; softmax - onehot(y);
+    zero rows where the label is ignored."""
+    z = logits.double()
+    peak = z.max(dim=-1, keepdim=True).values
+    lse = peak + (z - peak).exp().sum(-1, keepdim=True).log()
+    valid = labels != IGNORE_INDEX
+    target = torch.where(valid, labels, 0)
+    loss = torch.where(valid, (lse - z.gather(-1, target[:, None])).squeeze(-1), 0.0)
+    grad = (z - lse).exp() - torch.nn.functional.one_hot(target, z.shape[-1]).double()
+    return loss, torch.where(valid[:, None], grad, 0.0)
+
+
+def rising_and_falling_rows(n: int = 24, vocab: int = 1000, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits whose row maximum sits in the first block, in the last, or moves up block by block (so the
+    online sum is rescaled), with magnitudes where exp overflows fp32 without the shift; labels with
+    ignored rows and one label at each end of the vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    cols = torch.arange(vocab, dtype=torch.float32)
+    ramp = torch.stack([cols / vocab * 120.0, (vocab - cols) / vocab * 120.0, torch.zeros(vocab)])
+    logits = 3 * torch.randn(n, vocab, generator=g) + ramp[torch.arange(n) % 3] + 40.0
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[::5] = IGNORE_INDEX
+    labels[1], labels[2] = 0, vocab - 1
+    return logits, labels
+
+
+@pytest.mark.parametrize("block", [256, 4096])  # four blocks with a partial last one; one block, masked
+def test_triton_rows_match_the_float64_formula_in_fp32(monkeypatch, block):
+    """fp32 logits: the online logsumexp in fp32 over blocks gives the formula's loss and gradient to
+    fp32 rounding (a few ulps of lse ~ 160; the gradients' sum of exp to 1e-6 relative). A gradient
+    that kept the label's 1, a lane rescaled wrongly, or the padding columns in the sum move them by
+    O(1e-2) or more."""
+    monkeypatch.setitem(triton_ce.TUNING, "block", block)
+    logits, labels = rising_and_falling_rows()
+    want_loss, want_grad = rows_formula(logits, labels)
+    loss, grad = triton_ce.cross_entropy_rows(logits.clone(), labels, IGNORE_INDEX, torch.float32)
+    assert loss.dtype == torch.float32 and grad.dtype == torch.float32
+    assert (loss.double() - want_loss).abs().max() < 1e-5 * want_loss.abs().max()
+    assert (grad.double() - want_grad).abs().max() < 1e-5
+    ignored = labels == IGNORE_INDEX
+    assert torch.equal(loss[ignored], torch.zeros_like(loss[ignored]))
+    assert torch.equal(grad[ignored], torch.zeros_like(grad[ignored]))
+    loss_only, none = triton_ce.cross_entropy_rows(logits, labels, IGNORE_INDEX)
+    assert none is None and torch.equal(loss_only, loss)
+
+
+def test_triton_rows_write_the_bf16_gradient_over_the_logits_within_one_rounding(monkeypatch):
+    """bf16 logits: the gradient overwrites them (the same storage) and is the float64 gradient of those
+    bf16 logits rounded once to bf16: half an ulp (2^-8 of each element) on a GPU, a whole ulp (2^-7)
+    in Triton's interpreter, which truncates fp32 to bf16; 1e-6 absolute where it underflows. The
+    loss is fp32."""
+    monkeypatch.setitem(triton_ce.TUNING, "block", 256)
+    logits, labels = rising_and_falling_rows(seed=5)
+    logits = logits.to(torch.bfloat16)
+    want_loss, want_grad = rows_formula(logits, labels)
+    buffer = logits.clone()
+    loss, grad = triton_ce.cross_entropy_rows(buffer, labels, IGNORE_INDEX, torch.bfloat16)
+    assert grad.data_ptr() == buffer.data_ptr() and grad.dtype == torch.bfloat16
+    assert (loss.double() - want_loss).abs().max() < 1e-5 * want_loss.abs().max()
+    assert ((grad.double() - want_grad).abs() <= 2**-7 * want_grad.abs() + 1e-6).all()
+    into_fp32 = triton_ce.cross_entropy_rows(logits, labels, IGNORE_INDEX, torch.float32)[1]
+    assert into_fp32.dtype == torch.float32 and (into_fp32.double() - want_grad).abs().max() < 1e-5
+
+
+def test_triton_rows_give_nan_for_a_label_outside_the_vocabulary():
+    """A label outside [0, V) that is not IGNORE cannot be scored: NaN, which the trainer stops on,
+    rather than a finite loss that trains on the wrong token."""
+    logits, labels = rising_and_falling_rows(n=6, vocab=50)
+    labels[3], labels[4] = 50, -7
+    loss, _ = triton_ce.cross_entropy_rows(logits, labels, IGNORE_INDEX, torch.float32)
+    assert loss[3].isnan() and loss[4].isnan()
+    assert loss[[0, 1, 2, 5]].isfinite().all()
+
+
+def test_triton_backend_loss_and_gradients_match_the_reference_backend():
+    """The whole fused op on the triton backend (Triton's interpreter) against the torch one in fp32:
+    37 tokens in chunks of 8 (a partial last chunk), ignored labels, a padded head. The same fp32 math
+    in another order: 1e-5."""
+    h, w, labels = head_case(seed=4)
+    h32, w32 = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    want = linear_cross_entropy(h32, w32, labels, vocab_size=33, chunk_tokens=8, backend="torch")
+    want_h, want_w = torch.autograd.grad(want, (h32, w32))
+    got = linear_cross_entropy(h32, w32, labels, vocab_size=33, chunk_tokens=8, backend="triton")
+    got_h, got_w = torch.autograd.grad(got, (h32, w32))
+    assert rel(got, want) < 1e-5 and rel(got_h, want_h) < 1e-5 and rel(got_w, want_w) < 1e-5
+    assert torch.equal(got_w[33:], torch.zeros_like(got_w[33:]))
+    with torch.no_grad():
+        assert rel(linear_cross_entropy(h32, w32, labels, 33, chunk_tokens=8, backend="triton"), want) < 1e-5

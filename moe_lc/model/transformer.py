@@ -156,7 +156,7 @@ class MoELCModel(nn.Module):
         # The loss without logits: the fused head and cross-entropy (HeadLogits) where the head is plain;
         # False (cfg.fused_loss): checkpointed chunks (what tensor parallelism runs), for comparisons.
         self.fused_loss = cfg.fused_loss
-        self.loss_backend = "auto"  # the fused loss's elementwise part: "torch", "compiled" or "auto"
+        self.loss_backend = cfg.loss_backend  # the fused loss's elementwise part (ModelConfig.loss_backend)
 
     def moe_layers(self) -> list[LatentMoE]:
         mods = [layer.ffn for layer in self.layers if layer.is_moe]

@@ -20,7 +20,9 @@ so the chunks run with it disabled. The elementwise part of a chunk (logits and 
 losses and the logits' gradient) is plain PyTorch (``chunk_loss``, ``chunk_loss_and_grad``): the
 reference, run as is on the CPU; backend "compiled" runs it through ``torch.compile`` (once per
 chunk shape), which fuses it into one or two kernels reading the bf16 logits (the upcast happens
-inside the fused expressions, no fp32 copy of the chunk is written).
+inside the fused expressions, no fp32 copy of the chunk is written); backend "triton"
+(``moe_lc_kernels.cross_entropy``) reads each row once for an online logsumexp and writes the
+gradient over the chunk's logits, which nothing else reads.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import torch
 from torch import Tensor
 
 from moe_lc.model.precision import upcast
-from moe_lc.ops.backend_choice import choose_backend
+from moe_lc.ops.backend_choice import triton_device_reason
+from moe_lc_kernels.cross_entropy import cross_entropy_rows
 
 __all__ = ["IGNORE_INDEX", "chunk_loss", "chunk_loss_and_grad", "linear_cross_entropy", "resolve_backend"]
 
@@ -70,15 +73,39 @@ def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=False)
 
 
+BACKENDS = ("auto", "torch", "compiled", "triton")
+
+
 def resolve_backend(device: torch.device, backend: str = "auto") -> str:
-    """"torch" (the eager reference) or "compiled"; "auto" compiles on CUDA only (on the CPU a compile
-    costs more than the chunks it would speed up in tests and reference runs)."""
-    return choose_backend("linear_cross_entropy", backend, "compiled", None, auto_takes_fast=device.type == "cuda")
+    """"torch" (the eager reference), "compiled" or "triton"; "auto" takes "compiled" on CUDA and the
+    reference elsewhere (on the CPU a compile costs more than the chunks it would speed up in tests
+    and reference runs; Triton's CPU interpreter is for its tests)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"linear_cross_entropy: unknown backend {backend!r}; choose one of {list(BACKENDS)}")
+    if backend == "auto":
+        return "compiled" if device.type == "cuda" else "torch"
+    if backend == "triton":
+        reason = triton_device_reason(device)
+        if reason is not None:
+            raise RuntimeError(f'linear_cross_entropy: backend "triton" unavailable: {reason}; '
+                               'use backend="compiled", "torch" or "auto"')
+    return backend
+
+
+def _triton_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    return cross_entropy_rows(logits, labels, IGNORE_INDEX)[0]
+
+
+def _triton_loss_and_grad(logits: Tensor, labels: Tensor, grad_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``chunk_loss_and_grad`` on Triton; the gradient overwrites ``logits`` when it takes their dtype."""
+    return cross_entropy_rows(logits, labels, IGNORE_INDEX, grad_dtype)
 
 
 def _kernels(backend: str) -> tuple[Callable, Callable]:
     if backend == "compiled":
         return _compiled(chunk_loss), _compiled(chunk_loss_and_grad)
+    if backend == "triton":
+        return _triton_loss, _triton_loss_and_grad
     return chunk_loss, chunk_loss_and_grad
 
 
@@ -169,7 +196,7 @@ def linear_cross_entropy(
     ``vocab_size`` (default: all rows). ``reduction``: "mean" over the tokens with a label (0, with a zero
     gradient, when there is none, where ``F.cross_entropy`` gives NaN) or "sum". The loss is in at least
     fp32. ``chunk_tokens``: tokens per chunk (the peak holds [chunk_tokens, vocab_size] logits).
-    ``backend``: "torch", "compiled" or "auto" (see ``resolve_backend``).
+    ``backend``: "torch", "compiled", "triton" or "auto" (see ``resolve_backend``).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")

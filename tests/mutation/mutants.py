@@ -58,6 +58,8 @@ KDA_KERNELS = "kernels/kda.py"
 # PyTorch chunk form): their mutants run just these, ~1.5 min each for a survivor on two cores.
 KDA_KERNEL_TESTS = ("tests/test_kda_projections.py", "tests/test_kernels_kda.py")
 FUSED_LOSS = "moe_lc/ops/linear_cross_entropy.py"
+CE_KERNEL = "kernels/cross_entropy_triton.py"
+CE_TESTS = ("tests/test_linear_cross_entropy.py",)
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- normalisations
@@ -408,6 +410,14 @@ MUTANTS: tuple[Mutant, ...] = (
            "grad = torch.exp(x - lse) - onehot.to(x.dtype)", "the fused loss's logit gradient not zeroed where the label is ignored"),
     Mutant("fused-loss-gradient-not-scaled", FUSED_LOSS, "grad_h = dh * grad_total if dh is not None else None",
            "grad_h = dh", "the fused loss's backward ignores the incoming gradient (1/n, the MTP weight)"),
+    Mutant("ce-kernel-sum-not-rescaled", CE_KERNEL, "s = s * tl.exp(m - m_new) + tl.exp(z - m_new)",
+           "s = s + tl.exp(z - m_new)", "the online sum keeps terms taken against an older, lower maximum", CE_TESTS),
+    Mutant("ce-kernel-label-one-kept", CE_KERNEL, "g = tl.exp(z - lse) - tl.where(c == label, 1.0, 0.0)",
+           "g = tl.exp(z - lse)", "the logit gradient is the softmax alone, without the label's -1", CE_TESTS),
+    Mutant("ce-kernel-ignored-rows-get-gradient", CE_KERNEL, "g = tl.where(ignored, 0.0, g)", "g = g",
+           "the Triton loss's gradient not zeroed where the label is ignored", CE_TESTS),
+    Mutant("ce-kernel-tail-in-the-sum", CE_KERNEL, "mask=start + cols < V, other=float(\"-inf\")",
+           "mask=start + cols < V, other=0.0", "the masked columns past the vocabulary enter the softmax as zeros", CE_TESTS),
     Mutant("fused-loss-mean-over-all-positions", FUSED_LOSS, "return total / (y != IGNORE_INDEX).sum().clamp_min(1)",
            "return total / y.numel()", "the fused loss divided by every position, not by the label tokens"),
     # -- the experts' weight gradients, accumulated over a step's micro-batches
