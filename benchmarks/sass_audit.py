@@ -208,6 +208,14 @@ def _mla_keys() -> None:
     torch.autograd.backward((k, v), (torch.ones_like(k).transpose(1, 2).contiguous().transpose(1, 2), torch.ones_like(v)))
 
 
+def _cross_entropy() -> None:
+    from moe_lc_kernels.cross_entropy import cross_entropy_rows
+
+    labels = torch.randint(0, 65536, (64,))  # k3-small's vocabulary; rows are independent programs
+    cross_entropy_rows(_bf16(64, 65536), labels, -100, torch.bfloat16)
+    cross_entropy_rows(_bf16(64, 65536), labels, -100)
+
+
 def _kda() -> None:
     from moe_lc_kernels.kda import chunk_kda_triton
 
@@ -221,6 +229,7 @@ def _kda() -> None:
 OPS: dict[str, Callable[[], None]] = {
     "situ": _situ, "router": _router, "sort": _sort, "permutation": _permutation, "short_conv": _short_conv,
     "depth_mixture": _depth_mixture, "accumulate": _accumulate, "kda": _kda, "mla_keys": _mla_keys,
+    "cross_entropy": _cross_entropy,
 }
 
 

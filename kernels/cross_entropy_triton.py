@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-_LOWEST = -3.4028234663852886e38  # the lowest finite fp32: a lane that saw only masked columns stays finite
+_LOWEST = tl.constexpr(-3.4028234663852886e38)  # the lowest finite fp32: a lane that saw only masked columns stays finite
 
 
 @triton.jit
