@@ -373,28 +373,6 @@ def test_tf32_score_products_with_matched_rounding_under_emulation(emulated_tf32
     assert unmatched["dt_bias"] > 10 * matched["dt_bias"] and unmatched["z"] > 3 * matched["z"], (matched, unmatched)
 
 
-@pytest.fixture
-def exact_bf16_dots(monkeypatch):
-    """Triton's interpreter multiplies the raw bits of bf16 dot operands (a [64, 32] x [32, 64]
-    product comes out ~5e10 off); widen them to fp32 first, so bf16 kernel paths run on the CPU
-    (its fp32 -> bf16 conversions truncate, where the GPU rounds to nearest)."""
-    if DEVICE != "cpu":
-        pytest.skip("patches Triton's CPU interpreter")
-    import triton.runtime.interpreter as interp
-
-    exact_dot = interp.InterpreterBuilder.create_dot
-
-    def widen(h):
-        if h.dtype.scalar.is_bf16():
-            return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-        return h
-
-    def create_dot(self, a, b, acc, input_precision, max_num_imprecise_acc):
-        return exact_dot(self, widen(a), widen(b), acc, input_precision, max_num_imprecise_acc)
-
-    monkeypatch.setattr(interp.InterpreterBuilder, "create_dot", create_dot)
-
-
 def test_split_bf16_state_products_recover_the_state_precision(exact_bf16_dots, monkeypatch):
     """state_prec="bf16x2": the backward's state passes multiply bf16 halves hi + lo of the fp32
     state-side operand. Against the fp32 state passes (exact in the interpreter), its gradients

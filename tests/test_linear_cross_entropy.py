@@ -20,6 +20,7 @@ from moe_lc_kernels import cross_entropy as triton_ce
 from reference_checks import FLOAT64_RTOL, randomize, rel
 
 BF16_RTOL = 1e-2  # docs/testing.md, Tolerances: bf16 against a reference
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton kernels: the interpreter on a CPU (conftest)
 VOCAB = 500  # the tiny model's head padded to 512 rows: the padding must take no part
 
 
@@ -302,7 +303,7 @@ def test_backend_choice():
     assert resolve_backend(torch.device("cuda")) == "compiled"  # a device object; nothing runs
     assert resolve_backend(torch.device("cuda"), "torch") == "torch"
     assert resolve_backend(torch.device("cpu"), "compiled") == "compiled"
-    assert resolve_backend(torch.device("cpu"), "triton") == "triton"  # Triton's interpreter (conftest)
+    assert resolve_backend(torch.device(DEVICE), "triton") == "triton"  # on a CPU, Triton's interpreter (conftest)
     with pytest.raises(ValueError, match="unknown backend"):
         resolve_backend(torch.device("cpu"), "cuda")
 
@@ -326,7 +327,7 @@ def test_compiled_chunk_kernel_matches_the_eager_reference_on_cuda():
 def rows_formula(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss [n], gradient [n, V]) in float64 from the formula: logsumexp - z[y]; softmax - onehot(y);
     zero rows where the label is ignored."""
-    z = logits.double()
+    z, labels = logits.cpu().double(), labels.cpu()
     peak = z.max(dim=-1, keepdim=True).values
     lse = peak + (z - peak).exp().sum(-1, keepdim=True).log()
     valid = labels != IGNORE_INDEX
@@ -347,7 +348,7 @@ def rising_and_falling_rows(n: int = 24, vocab: int = 1000, seed: int = 3) -> tu
     labels = torch.randint(0, vocab, (n,), generator=g)
     labels[::5] = IGNORE_INDEX
     labels[1], labels[2] = 0, vocab - 1
-    return logits, labels
+    return logits.to(DEVICE), labels.to(DEVICE)
 
 
 @pytest.mark.parametrize("block", [256, 4096])  # four blocks with a partial last one; one block, masked
@@ -361,13 +362,14 @@ def test_triton_rows_match_the_float64_formula_in_fp32(monkeypatch, block):
     want_loss, want_grad = rows_formula(logits, labels)
     loss, grad = triton_ce.cross_entropy_rows(logits.clone(), labels, IGNORE_INDEX, torch.float32)
     assert loss.dtype == torch.float32 and grad.dtype == torch.float32
+    loss, grad, labels = loss.cpu(), grad.cpu(), labels.cpu()
     assert (loss.double() - want_loss).abs().max() < 1e-5 * want_loss.abs().max()
     assert (grad.double() - want_grad).abs().max() < 1e-5
     ignored = labels == IGNORE_INDEX
     assert torch.equal(loss[ignored], torch.zeros_like(loss[ignored]))
     assert torch.equal(grad[ignored], torch.zeros_like(grad[ignored]))
     loss_only, none = triton_ce.cross_entropy_rows(logits, labels, IGNORE_INDEX)
-    assert none is None and torch.equal(loss_only, loss)
+    assert none is None and torch.equal(loss_only.cpu(), loss)
 
 
 def test_triton_rows_write_the_bf16_gradient_over_the_logits_within_one_rounding(monkeypatch):
@@ -382,10 +384,10 @@ def test_triton_rows_write_the_bf16_gradient_over_the_logits_within_one_rounding
     buffer = logits.clone()
     loss, grad = triton_ce.cross_entropy_rows(buffer, labels, IGNORE_INDEX, torch.bfloat16)
     assert grad.data_ptr() == buffer.data_ptr() and grad.dtype == torch.bfloat16
-    assert (loss.double() - want_loss).abs().max() < 1e-5 * want_loss.abs().max()
-    assert ((grad.double() - want_grad).abs() <= 2**-7 * want_grad.abs() + 1e-6).all()
+    assert (loss.cpu().double() - want_loss).abs().max() < 1e-5 * want_loss.abs().max()
+    assert ((grad.cpu().double() - want_grad).abs() <= 2**-7 * want_grad.abs() + 1e-6).all()
     into_fp32 = triton_ce.cross_entropy_rows(logits, labels, IGNORE_INDEX, torch.float32)[1]
-    assert into_fp32.dtype == torch.float32 and (into_fp32.double() - want_grad).abs().max() < 1e-5
+    assert into_fp32.dtype == torch.float32 and (into_fp32.cpu().double() - want_grad).abs().max() < 1e-5
 
 
 def test_triton_rows_give_nan_for_a_label_outside_the_vocabulary():
@@ -393,7 +395,7 @@ def test_triton_rows_give_nan_for_a_label_outside_the_vocabulary():
     rather than a finite loss that trains on the wrong token."""
     logits, labels = rising_and_falling_rows(n=6, vocab=50)
     labels[3], labels[4] = 50, -7
-    loss, _ = triton_ce.cross_entropy_rows(logits, labels, IGNORE_INDEX, torch.float32)
+    loss = triton_ce.cross_entropy_rows(logits, labels, IGNORE_INDEX, torch.float32)[0].cpu()
     assert loss[3].isnan() and loss[4].isnan()
     assert loss[[0, 1, 2, 5]].isfinite().all()
 
@@ -403,7 +405,8 @@ def test_triton_backend_loss_and_gradients_match_the_reference_backend():
     37 tokens in chunks of 8 (a partial last chunk), ignored labels, a padded head. The same fp32 math
     in another order: 1e-5."""
     h, w, labels = head_case(seed=4)
-    h32, w32 = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    h32, w32 = h.detach().float().to(DEVICE).requires_grad_(), w.detach().float().to(DEVICE).requires_grad_()
+    labels = labels.to(DEVICE)
     want = linear_cross_entropy(h32, w32, labels, vocab_size=33, chunk_tokens=8, backend="torch")
     want_h, want_w = torch.autograd.grad(want, (h32, w32))
     got = linear_cross_entropy(h32, w32, labels, vocab_size=33, chunk_tokens=8, backend="triton")
