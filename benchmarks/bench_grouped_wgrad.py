@@ -63,9 +63,9 @@ def main() -> None:
             gw.TUNING.update(defaults, **tuning)
             label = ",".join(f"{k}={v}" for k, v in tuning.items()) or "defaults"
             try:
-                ms = gpu_ms(lambda: gw.grouped_wgrad_(grad, dy, x, ends, accumulate=True), args.repeats)
+                ms = gpu_ms(lambda: gw.grouped_wgrad_([grad], dy, x, ends, accumulate=True), args.repeats)
                 grad.zero_()
-                gw.grouped_wgrad_(grad, dy, x, ends, accumulate=True)
+                gw.grouped_wgrad_([grad], dy, x, ends, accumulate=True)
                 diff = (grad - want).abs().max().item()
                 print(f"| {name} | triton, fp32 sum in the GEMM ({label}) | {ms:.3f} | {flops / ms / 1e9:.0f} | {diff:.3g} |")
             except Exception as err:  # a launch the GPU refuses (shared memory): report it, try the next

@@ -12,6 +12,8 @@ launch). Worth having only where its GEMM runs near cuBLAS's/CUTLASS's rate:
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import Tensor
 
@@ -19,32 +21,36 @@ from torch import Tensor
 TUNING = dict(bm=128, bn=128, bk=64, warps=8, stages=3, group_m=8)
 
 
-def shape_error(dy: Tensor, x: Tensor, ends: Tensor, grad: Tensor) -> str | None:
+def shape_error(dy: Tensor, x: Tensor, ends: Tensor, grads: Sequence[Tensor]) -> str | None:
     """What is wrong with the operands (None when nothing is)."""
-    if dy.dim() != 2 or x.dim() != 2 or dy.shape[0] != x.shape[0] or grad.dim() != 3:
-        return f"dy [T, M], x [T, N] and grad [E, M, N], got {tuple(dy.shape)}, {tuple(x.shape)}, {tuple(grad.shape)}"
-    if grad.shape[1:] != (dy.shape[1], x.shape[1]) or ends.shape != grad.shape[:1]:
-        return f"grad [E, M, N] = [{len(ends)}, {dy.shape[1]}, {x.shape[1]}] and ends [E], got {tuple(grad.shape)}"
-    if grad.dtype != torch.float32 or not grad.is_contiguous() or dy.stride(1) != 1 or x.stride(1) != 1:
-        return "a contiguous fp32 grad and dy, x with contiguous rows"
+    if dy.dim() != 2 or x.dim() != 2 or dy.shape[0] != x.shape[0] or not 1 <= len(grads) <= 2:
+        return f"dy [T, M], x [T, N] and one or two grads, got {tuple(dy.shape)}, {tuple(x.shape)}, {len(grads)} grads"
+    shapes = [tuple(g.shape) for g in grads]
+    if (any(len(s) != 3 or s[0] != len(ends) or s[2] != x.shape[1] for s in shapes)
+            or sum(s[1] for s in shapes) != dy.shape[1] or ends.dim() != 1):
+        return f"grads [E, M_i, N] with sum M_i = {dy.shape[1]}, N = {x.shape[1]} and ends [E], got {shapes}"
+    if any(g.dtype != torch.float32 or not g.is_contiguous() for g in grads) or dy.stride(1) != 1 or x.stride(1) != 1:
+        return "contiguous fp32 grads and dy, x with contiguous rows"
     if dy.dtype != x.dtype or ends.dtype not in (torch.int32, torch.int64):
         return f"dy and x of one dtype and integer ends, got {dy.dtype}, {x.dtype}, {ends.dtype}"
     return None
 
 
-def grouped_wgrad_(grad: Tensor, dy: Tensor, x: Tensor, ends: Tensor, accumulate: bool) -> Tensor:
-    """grad[e] = dy[s_e:ends[e]]^T @ x[s_e:ends[e]] (s_e = ends[e-1], s_0 = 0), or += with ``accumulate``;
-    fp32 accumulation. Returns ``grad``."""
+def grouped_wgrad_(grads: Sequence[Tensor], dy: Tensor, x: Tensor, ends: Tensor, accumulate: bool) -> None:
+    """G[e] = dy[s_e:ends[e]]^T @ x[s_e:ends[e]] (s_e = ends[e-1], s_0 = 0) into ``grads``, or added to them
+    with ``accumulate``; fp32 accumulation. G's rows are ``grads`` stacked: one [E, M, N] tensor, or two
+    [E, M_0, N] and [E, M - M_0, N] (a stacked GEMM's two weights)."""
     from moe_lc_kernels import grouped_wgrad_triton as kt
 
-    problem = shape_error(dy, x, ends, grad)
+    problem = shape_error(dy, x, ends, grads)
     if problem is not None:
         raise ValueError(f"grouped_wgrad_: {problem}")
-    experts, m, n = grad.shape
+    experts, split, n = grads[0].shape
+    m = dy.shape[1]
     bm, bn = TUNING["bm"], TUNING["bn"]
     tiles_m, tiles_n = -(-m // bm), -(-n // bn)
     if experts:
         kt.grouped_wgrad_kernel[(experts * tiles_m * tiles_n,)](
-            dy, x, ends, grad, m, n, dy.stride(0), x.stride(0), tiles_m, tiles_n, BM=bm, BN=bn, BK=TUNING["bk"],
-            ACCUMULATE=accumulate, GROUP_M=TUNING["group_m"], num_warps=TUNING["warps"], num_stages=TUNING["stages"])
-    return grad
+            dy, x, ends, grads[0], grads[-1], m, n, split, dy.stride(0), x.stride(0), tiles_m, tiles_n, BM=bm, BN=bn,
+            BK=TUNING["bk"], ACCUMULATE=accumulate, GROUP_M=TUNING["group_m"], num_warps=TUNING["warps"],
+            num_stages=TUNING["stages"])

@@ -4,6 +4,8 @@ One program per (expert, [BM, BN] tile of its [M, N] gradient), the expert's tok
 blocks: acc += dy[rows, m-tile]^T @ x[rows, n-tile] on the tensor cores (bf16 operands, fp32
 accumulator), then grad[e, tile] = acc, or += acc with ACCUMULATE (a step's later micro-batches: the
 fp32 gradient read and written once, where a bf16 product would be written, read back and added).
+The gradient's M rows may be two tensors stacked (W_gate's and W_in's for their stacked GEMM): rows
+below SPLIT go to grad [E, SPLIT, N], the rest to grad_hi [E, M - SPLIT, N].
 Row blocks cross expert boundaries at any row: loads are masked to the expert's rows. An expert
 with no rows writes zeros (or leaves its sum as it is).
 """
@@ -15,7 +17,7 @@ import triton.language as tl
 
 
 @triton.jit
-def grouped_wgrad_kernel(dy, x, ends, grad, M, N, DY_ROW, X_ROW, TILES_M, TILES_N,
+def grouped_wgrad_kernel(dy, x, ends, grad, grad_hi, M, N, SPLIT, DY_ROW, X_ROW, TILES_M, TILES_N,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACCUMULATE: tl.constexpr,
                          GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
@@ -40,7 +42,11 @@ def grouped_wgrad_kernel(dy, x, ends, grad, M, N, DY_ROW, X_ROW, TILES_M, TILES_
         a = tl.load(dy + rows[:, None] * DY_ROW + om[None, :], mask=in_rows[:, None] & (om < M)[None, :], other=0.0)
         b = tl.load(x + rows[:, None] * X_ROW + on[None, :], mask=in_rows[:, None] & (on < N)[None, :], other=0.0)
         acc = tl.dot(tl.trans(a), b, acc)
-    out = grad + expert.to(tl.int64) * M * N + om[:, None] * N + on[None, :]
+    e64 = expert.to(tl.int64)
+    lo = om < SPLIT
+    row_lo = grad + e64 * SPLIT * N + om * N
+    row_hi = grad_hi + e64 * (M - SPLIT) * N + (om - SPLIT) * N
+    out = tl.where(lo, row_lo, row_hi)[:, None] + on[None, :]
     mask = (om < M)[:, None] & (on < N)[None, :]
     if ACCUMULATE:
         acc += tl.load(out, mask=mask, other=0.0)

@@ -114,6 +114,10 @@ class MoEConfig:
     # expert (token_permutation.expert_order): torch | auto | triton. torch: the fused kernels were
     # no faster in a whole step on the GPU (docs/performance.md §12.10)
     router_backend: str = "torch"
+    # the routed experts' weight gradients (one process, bf16 step copies of fp32 weights): torch
+    # (autograd's bf16 product added into .grad) | triton (summed into .grad by the GEMM,
+    # moe_lc_kernels.grouped_wgrad) | auto (torch until the Triton GEMM is timed in a step)
+    wgrad_backend: str = "auto"
 
 
 @dataclass
@@ -242,6 +246,10 @@ class ModelConfig:
         _require(
             e.dispatch_backend in ("auto", "torch", "triton"),
             f"moe.dispatch_backend={e.dispatch_backend!r}: use auto, torch or triton",
+        )
+        _require(
+            e.wgrad_backend in ("auto", "torch", "triton"),
+            f"moe.wgrad_backend={e.wgrad_backend!r}: use auto, torch or triton",
         )
         _require(
             e.router_backend in ("auto", "torch", "triton"),

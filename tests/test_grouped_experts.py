@@ -296,16 +296,23 @@ def test_a_step_casts_the_experts_weights_once_and_its_gradients_are_those_of_ca
 
 
 @needs_grouped_mm
-@pytest.mark.parametrize("activation_backend", ["torch", pytest.param("triton", marks=needs_triton)])
-def test_a_step_stacks_gate_and_input_weights_into_one_grouped_gemm(activation_backend):
+@pytest.mark.parametrize("activation_backend,wgrad_backend", [
+    ("torch", "torch"), pytest.param("triton", "torch", marks=needs_triton),
+    pytest.param("torch", "triton", marks=needs_triton)])
+def test_a_step_stacks_gate_and_input_weights_into_one_grouped_gemm(activation_backend, wgrad_backend, request):
     """Within reuse_weight_casts on the grouped GEMM, W_gate and W_in go to the GEMM stacked ([E, 2h, l],
     one cast writing both halves) and the activation reads the GEMM's [rows, 2h] output in place: the
     output, dx and the fp32 weight gradients over three micro-batches are the unstacked path's within
     bf16 rounding (the GEMMs sum the same bf16 products, dx in one reduction instead of two summed),
-    and nothing else is cast for the step."""
+    and nothing else is cast for the step. With ``wgrad_backend="triton"`` the weight-gradient GEMMs
+    add into the fp32 ``.grad`` themselves (the first micro-batch stores): a sum that overwrote, or
+    rows of W_in sent to W_gate, would be O(1) off."""
     from moe_lc.model.moe import reuse_weight_casts
 
-    experts, batches = _experts_and_bf16_batches(seed=4, backend="grouped", activation_backend=activation_backend)
+    if wgrad_backend == "triton":
+        request.getfixturevalue("exact_bf16_dots")
+    experts, batches = _experts_and_bf16_batches(seed=4, backend="grouped", activation_backend=activation_backend,
+                                                 wgrad_backend=wgrad_backend)
     _, hidden, width = experts.w_gate.shape
     counts = torch.tensor(COUNTS)
 

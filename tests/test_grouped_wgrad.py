@@ -44,7 +44,7 @@ def test_each_expert_gets_the_product_of_its_own_rows():
     counts = [5, 0, 70, 33]
     dy, x, ends = case(counts)
     grad = torch.full((4, 40, 24), float("nan"), device=DEVICE)
-    gw.grouped_wgrad_(grad, dy, x, ends, accumulate=False)
+    gw.grouped_wgrad_([grad], dy, x, ends, accumulate=False)
     want = formula(dy, x, counts)
     assert (grad.cpu().double() - want).abs().max() < 1e-6 * want.abs().max()
     assert torch.equal(grad[1].cpu(), torch.zeros(40, 24))  # no rows: zeros, not what was there
@@ -56,15 +56,27 @@ def test_accumulate_adds_into_the_fp32_sum():
     dy1, x1, ends1 = case(first, seed=1)
     dy2, x2, ends2 = case(second, seed=2)
     grad = torch.empty(4, 40, 24, device=DEVICE)
-    gw.grouped_wgrad_(grad, dy1, x1, ends1, accumulate=False)
-    gw.grouped_wgrad_(grad, dy2, x2, ends2, accumulate=True)
+    gw.grouped_wgrad_([grad], dy1, x1, ends1, accumulate=False)
+    gw.grouped_wgrad_([grad], dy2, x2, ends2, accumulate=True)
     want = formula(dy1, x1, first) + formula(dy2, x2, second)
     assert (grad.cpu().double() - want).abs().max() < 1e-6 * want.abs().max()
 
 
+def test_two_stacked_gradients_take_their_own_rows():
+    """The stacked GEMM's gradient split at row 22 (inside a 16-row tile) into two tensors: each gets its
+    rows of the product, the first 22 and the other 18."""
+    counts = [5, 0, 70, 33]
+    dy, x, ends = case(counts)
+    low, high = torch.empty(4, 22, 24, device=DEVICE), torch.empty(4, 18, 24, device=DEVICE)
+    gw.grouped_wgrad_([low, high], dy, x, ends, accumulate=False)
+    want = formula(dy, x, counts)
+    got = torch.cat([low, high], dim=1).cpu().double()
+    assert (got - want).abs().max() < 1e-6 * want.abs().max()
+
+
 def test_bad_operands_are_named():
     dy, x, ends = case([3, 4])
-    with pytest.raises(ValueError, match="fp32 grad"):
-        gw.grouped_wgrad_(torch.zeros(2, 40, 24, dtype=torch.bfloat16, device=DEVICE), dy, x, ends, accumulate=False)
-    with pytest.raises(ValueError, match=r"grad \[E, M, N\]"):
-        gw.grouped_wgrad_(torch.zeros(2, 24, 40, device=DEVICE), dy, x, ends, accumulate=False)
+    with pytest.raises(ValueError, match="fp32 grads"):
+        gw.grouped_wgrad_([torch.zeros(2, 40, 24, dtype=torch.bfloat16, device=DEVICE)], dy, x, ends, accumulate=False)
+    with pytest.raises(ValueError, match=r"grads \[E, M_i, N\]"):
+        gw.grouped_wgrad_([torch.zeros(2, 24, 40, device=DEVICE)], dy, x, ends, accumulate=False)

@@ -26,7 +26,7 @@ from moe_lc.model.ffn import GatedFFN
 from moe_lc.model.norm import RMSNorm
 from moe_lc.model.precision import upcast
 from moe_lc.ops.accumulate import accumulate_
-from moe_lc.ops.grouped_experts import grouped_glu, grouped_glu_stacked, resolve_backend
+from moe_lc.ops.grouped_experts import grouped_glu, grouped_glu_stacked, resolve_backend, resolve_wgrad_backend
 from moe_lc.ops.routing import resolve_backend as resolve_router_backend
 from moe_lc.ops.routing import route_topk, routing_weights
 from moe_lc.ops.stacked_linear import stackable, stacked_linear
@@ -50,6 +50,7 @@ class RoutedExperts(nn.Module):
         beta2: float,
         backend: str = "auto",
         activation_backend: str = "auto",
+        wgrad_backend: str = "auto",
     ):
         super().__init__()
         self.w_gate = nn.Parameter(torch.empty(num_experts, hidden, dim))
@@ -57,13 +58,18 @@ class RoutedExperts(nn.Module):
         self.w_out = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.activation, self.beta1, self.beta2 = activation, beta1, beta2
         self.backend, self.activation_backend = backend, activation_backend
+        # "triton": the stacked step copies' weight gradients summed into .grad by their GEMM (MoEConfig)
+        self.wgrad_backend = wgrad_backend
         self.step_casts: Optional[dict] = None  # autocast copies of the weights for one step (reuse_weight_casts)
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         stacked = self.stacked_step_weights(x_sorted)
         if stacked is not None and x_sorted.shape[0]:
+            targets = (((self.w_gate, self.w_in), (self.w_out,))
+                       if resolve_wgrad_backend(x_sorted.device, self.wgrad_backend) == "triton" else None)
             return grouped_glu_stacked(x_sorted.to(stacked[0].dtype), tokens_per_expert, *stacked, self.activation,
-                                       self.beta1, self.beta2, activation_backend=self.activation_backend)
+                                       self.beta1, self.beta2, activation_backend=self.activation_backend,
+                                       grad_targets=targets)
         return grouped_glu(
             x_sorted, tokens_per_expert, *self.compute_weights(x_sorted), self.activation, self.beta1,
             self.beta2, backend=self.backend, activation_backend=self.activation_backend,
@@ -202,7 +208,8 @@ class LatentMoE(nn.Module):
             self.latent_norm = RMSNorm(cfg.latent_dim, norm_eps)
             self.latent_up = nn.Linear(cfg.latent_dim, d_model, bias=False)
         self.experts = RoutedExperts(
-            cfg.num_routed, expert_dim, cfg.expert_hidden, cfg.activation, cfg.situ_beta1, cfg.situ_beta2
+            cfg.num_routed, expert_dim, cfg.expert_hidden, cfg.activation, cfg.situ_beta1, cfg.situ_beta2,
+            wgrad_backend=cfg.wgrad_backend,
         )
         # N_s shared experts of hidden h summed == one GLU of hidden N_s*h (same parameters, one matmul).
         self.shared = (

@@ -30,10 +30,10 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from moe_lc.ops.backend_choice import choose_backend
+from moe_lc.ops.backend_choice import choose_backend, triton_device_reason
 from moe_lc.ops.situ_glu import glu_activation, glu_activation_stacked
 
-__all__ = ["grouped_glu", "grouped_glu_stacked", "grouped_glu_reference", "grouped_glu_mm", "expert_offsets",
+__all__ = ["grouped_glu", "grouped_glu_stacked", "resolve_wgrad_backend", "grouped_glu_reference", "grouped_glu_mm", "expert_offsets",
            "resolve_backend", "grouped_unsupported_reason", "autocast_operands"]
 
 Counts = Union[Tensor, Sequence[int]]
@@ -116,6 +116,13 @@ def grouped_unsupported_reason(x: Tensor, w_gate: Tensor, w_in: Tensor, w_out: T
     return None
 
 
+def resolve_wgrad_backend(device: torch.device, backend: str = "auto") -> str:
+    """How the stacked step copies' weight gradients reach the fp32 ``.grad``: "torch" (autograd's bf16
+    product, then ``accumulate_``) or "triton" (summed by the weight-gradient GEMM,
+    ``_GroupedLinearSummingWeightGrads``); "auto" takes torch (the Triton GEMM is not yet timed in a step)."""
+    return choose_backend("moe.wgrad_backend", backend, "triton", triton_device_reason(device), auto_takes_fast=False)
+
+
 def resolve_backend(x: Tensor, w_gate: Tensor, w_in: Tensor, w_out: Tensor, backend: str = "auto") -> str:
     """The backend ``grouped_glu`` runs: "auto" takes the grouped GEMM for CUDA bf16 and fp32."""
     auto_grouped = x.is_cuda and x.dtype in _AUTO_GROUPED_DTYPES
@@ -181,13 +188,17 @@ def grouped_glu_stacked(
     beta1: float,
     beta2: float,
     activation_backend: str = "auto",
+    grad_targets: Optional[tuple[tuple[Tensor, Tensor], tuple[Tensor]]] = None,
 ) -> Tensor:
     """``grouped_glu``'s math with W_gate and W_in stacked along the hidden dim, ``w_gate_in`` [E, 2h, l]
     (gate rows first), on the grouped GEMM: one GEMM of twice the width instead of two, whose backward
     gives dx from one GEMM instead of two GEMMs and their sum (measured on an H200 at k3-small's
     experts, 131K rows: 2.69 against 3.00 ms forward and backward; docs/performance.md §12.3). The
     caller stacks the weights (``RoutedExperts``: in the per-step bf16 copies, where the cast writes
-    them for free); operands must suit ``torch._grouped_mm`` (``grouped_unsupported_reason``)."""
+    them for free); operands must suit ``torch._grouped_mm`` (``grouped_unsupported_reason``).
+    ``grad_targets`` ((W_gate, W_in), (W_out,)), the fp32 weights whose step copies these are: their
+    gradients are summed into their ``.grad`` by the weight-gradient GEMMs themselves
+    (``_GroupedLinearSummingWeightGrads``), not handed to the copies."""
     experts, double_hidden, width = w_gate_in.shape
     hidden = double_hidden // 2
     _check(x_sorted, counts, w_gate_in[:, :hidden], w_gate_in[:, hidden:], w_out)
@@ -197,5 +208,43 @@ def grouped_glu_stacked(
     act = functools.partial(glu_activation_stacked, kind=activation, beta1=beta1, beta2=beta2,
                             backend=activation_backend)
     offsets = expert_offsets(counts, x_sorted.device)
+    if grad_targets is not None:
+        gate_in_targets, out_targets = grad_targets
+        y = _GroupedLinearSummingWeightGrads.apply(x_sorted.contiguous(), w_gate_in, offsets, gate_in_targets)
+        return _GroupedLinearSummingWeightGrads.apply(act(y), w_out, offsets, out_targets)
     y = torch._grouped_mm(x_sorted.contiguous(), w_gate_in.transpose(-2, -1), offs=offsets)
     return torch._grouped_mm(act(y), w_out.transpose(-2, -1), offs=offsets)
+
+
+def _sum_into_grads(weights: tuple[Tensor, ...], dy: Tensor, x: Tensor, offsets: Tensor) -> None:
+    """The weights' fp32 ``.grad`` (stacked along their rows) += dy_e^T x_e per expert, by the GEMM;
+    the step's first micro-batch stores it (contiguous) instead."""
+    from moe_lc_kernels.grouped_wgrad import grouped_wgrad_
+
+    first = weights[0].grad is None
+    if first:
+        for w in weights:
+            w.grad = torch.empty_like(w, memory_format=torch.contiguous_format)
+    grouped_wgrad_([w.grad for w in weights], dy, x.contiguous(), offsets, accumulate=not first)
+
+
+class _GroupedLinearSummingWeightGrads(torch.autograd.Function):
+    """``torch._grouped_mm(x, w^T, offs)`` for a step's bf16 copy ``w`` [E, M, N] of fp32 weights
+    (``targets``, stacked along M), whose backward computes dx by the grouped GEMM and sums w's
+    gradient into the targets' fp32 ``.grad`` from its own GEMM (moe_lc_kernels.grouped_wgrad): no
+    bf16 product written and read back, no separate add (``RoutedExperts`` with
+    ``wgrad_backend="triton"``; the copy's own backward then receives nothing)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, offsets: Tensor, targets: tuple[Tensor, ...]) -> Tensor:
+        ctx.save_for_backward(x, w, offsets)
+        ctx.targets = targets
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, w, offsets = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = torch._grouped_mm(dy, w, offs=offsets) if ctx.needs_input_grad[0] else None
+        _sum_into_grads(ctx.targets, dy, x, offsets)
+        return dx, None, None, None
