@@ -216,6 +216,16 @@ def _cross_entropy() -> None:
     cross_entropy_rows(_bf16(64, 65536), labels, -100)
 
 
+def _grouped_wgrad() -> None:
+    from moe_lc_kernels.grouped_wgrad import grouped_wgrad_
+
+    ends = torch.arange(1, EXPERTS + 1, dtype=torch.int32) * 64  # rows per expert do not change the code
+    rows = 64 * EXPERTS
+    gate, up = torch.zeros(EXPERTS, HIDDEN, LATENT), torch.zeros(EXPERTS, HIDDEN, LATENT)
+    grouped_wgrad_([gate, up], _bf16(rows, 2 * HIDDEN), _bf16(rows, LATENT), ends, accumulate=True)
+    grouped_wgrad_([torch.zeros(EXPERTS, LATENT, HIDDEN)], _bf16(rows, LATENT), _bf16(rows, HIDDEN), ends, accumulate=False)
+
+
 def _kda() -> None:
     from moe_lc_kernels.kda import chunk_kda_triton
 
@@ -229,7 +239,7 @@ def _kda() -> None:
 OPS: dict[str, Callable[[], None]] = {
     "situ": _situ, "router": _router, "sort": _sort, "permutation": _permutation, "short_conv": _short_conv,
     "depth_mixture": _depth_mixture, "accumulate": _accumulate, "kda": _kda, "mla_keys": _mla_keys,
-    "cross_entropy": _cross_entropy,
+    "cross_entropy": _cross_entropy, "grouped_wgrad": _grouped_wgrad,
 }
 
 
