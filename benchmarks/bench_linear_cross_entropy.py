@@ -10,9 +10,9 @@ Variants:
 - ``checkpointed chunks``: ``fused_loss=False``, each chunk of ~``loss_chunk_elements`` logits under
   activation checkpointing (its head GEMM run again in backward; eager fp32 cross-entropy);
 - ``fused, eager CE``: ``moe_lc.ops.linear_cross_entropy`` with the elementwise part in eager PyTorch;
-- ``fused, compiled CE``: the same with it through ``torch.compile`` (what "auto" runs on CUDA);
+- ``fused, compiled CE``: the same with it through ``torch.compile``;
 - ``fused, triton CE``: the same with it in ``moe_lc_kernels.cross_entropy`` (online logsumexp, the
-  gradient written over the logits).
+  gradient written over the logits; what "auto" runs on CUDA).
 
 Per variant: forward+backward wall time (median of ``--rep`` after warm-up, CUDA events), the kernel
 time and kernel count of one forward+backward (profiler), the peak memory above what was allocated

@@ -142,7 +142,7 @@ class ModelConfig:
     # The training loss computes its gradients chunk by chunk in the forward where the head is plain
     # (docs/design.md §7.1); false: checkpointed chunks whose logits are recomputed in backward.
     fused_loss: bool = True
-    # The fused loss's elementwise part (softmax and gradient of each chunk's logits): auto (compiled on
+    # The fused loss's elementwise part (softmax and gradient of each chunk's logits): auto (triton on
     # CUDA, eager elsewhere), torch, compiled or triton (moe_lc.ops.linear_cross_entropy).
     loss_backend: str = "auto"
     norm_eps: float = 1e-6
