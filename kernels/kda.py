@@ -227,6 +227,9 @@ class _Flags:
     # keep every chunk's start state and Delta = U - W S (bf16 by ``bwd_states``: (T/64) H K V + T H V
     # values) from the forward's state pass for the backward, which then skips its own state pass
     keep_states: bool = False
+    # keep every prep output (W, U, Gamma Q, Gamma_C K, G and its per-chunk total; save_prep="all") for
+    # the backward whatever TUNING's save_prep says: the backward skips the prep's elementwise rerun
+    keep_prep: bool = False
 
 
 def state_value_block(num_seqs: int, heads: int, value_dim: int, sms: int) -> int:
@@ -487,7 +490,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
         seg_end = _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, init=seg_init, transition=False, out=o,
                              states=states, delta=delta)
         final = seg_end[plan.last_seg]
-        kept = {"none": (), "inverse": (aqk, x), "all": (*prep, gcum)}[TUNING["save_prep"]]
+        kept = {"none": (), "inverse": (aqk, x), "all": (*prep, gcum)}["all" if flags.keep_prep else TUNING["save_prep"]]
         del gcum
         ctx.save_for_backward(q, k, v, gz, beta, A_log, dt_bias, seg_init, transitions, rnorm, states, delta, *kept)
         ctx.plan, ctx.flags, ctx.has_init = plan, flags, initial_state is not None
@@ -628,6 +631,7 @@ def chunk_kda_fused(
     seq_bounds: Sequence[int] | None = None,
     segment_chunks: int | None = None,
     keep_states: bool = False,
+    keep_prep: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """KDA from raw projections, everything fused: returns ``(o, final_state or None)``.
 
@@ -638,6 +642,8 @@ def chunk_kda_fused(
     ``segment_chunks``: chunks per parallel segment (None: automatic, 0: never split).
     ``keep_states``: the forward keeps every chunk's state for the backward ((T/64) H K V + T H V
     bf16 values more), which then skips its own state pass; same gradients up to rounding.
+    ``keep_prep``: the forward keeps every prep output (``save_prep="all"``: ~1.5 KB more per head and
+    token at K = V = 128), which the backward then does not recompute; bit-identical gradients.
     Differentiable in q, k, v, z, beta_logits, A_log, dt_bias and initial_state.
     """
     if lower_bound is None or not lower_bound < 0 or lower_bound < -GATE_SPAN_LIMIT:
@@ -653,7 +659,7 @@ def chunk_kda_fused(
             raise ValueError(f"chunk_kda_fused: dt_bias must have H*K={heads * key_dim} entries, got {tuple(dt_bias.shape)}")
     flags = _Flags(gate_in_kernel=True, l2norm=True, beta_sigmoid=True,
                    scale=key_dim**-0.5 if scale is None else float(scale), lower_bound=float(lower_bound),
-                   keep_states=keep_states)
+                   keep_states=keep_states, keep_prep=keep_prep)
     return _run(q, k, v, z, beta_logits, A_log, dt_bias, initial_state, output_final_state, flags, segment_chunks,
                 lens)
 

@@ -128,18 +128,21 @@ def test_policy_changes_in_place_and_leaves_the_parameters_alone():
         assert torch.equal(model(ids, docs=docs).logits, plain)
 
 
-def test_the_kda_states_setting_reaches_every_kda_layer_and_is_undone_with_the_policy():
+def test_the_kda_states_and_prep_settings_reach_every_kda_layer_and_are_undone_with_the_policy():
     from moe_lc.model.kda import KDAttention
 
     cfg = tiny("block")
     model = build_model(cfg, "cpu", seed=0)
     kda = [m for m in model.modules() if isinstance(m, KDAttention)]
-    assert kda and not any(m.keep_states for m in kda)
+    assert kda and not any(m.keep_states or m.keep_prep for m in kda)
     apply_activation_checkpointing(model, ActivationCheckpointing("full", every=2, kda_states=True))
-    assert all(m.keep_states for m in kda)
+    assert all(m.keep_states and not m.keep_prep for m in kda)
     assert "kda states" in activation_checkpointing_of(model).describe()
+    apply_activation_checkpointing(model, ActivationCheckpointing(kda_prep=True))
+    assert all(m.keep_prep and not m.keep_states for m in kda)
+    assert "kda prep" in activation_checkpointing_of(model).describe()
     apply_activation_checkpointing(model, ActivationCheckpointing())
-    assert not any(m.keep_states for m in kda)
+    assert not any(m.keep_states or m.keep_prep for m in kda)
 
 
 def test_bad_policies_name_the_field_and_the_fix():
@@ -151,3 +154,5 @@ def test_bad_policies_name_the_field_and_the_fix():
         ActivationCheckpointing("full", offload=True).check()
     with pytest.raises(ConfigError, match="activation_checkpointing.kda_states='yes' must be true or false"):
         ActivationCheckpointing(kda_states="yes").check()
+    with pytest.raises(ConfigError, match="activation_checkpointing.kda_prep=1 must be true or false"):
+        ActivationCheckpointing(kda_prep=1).check()

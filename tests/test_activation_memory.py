@@ -16,7 +16,7 @@ from moe_lc.metrics.saved_activations import measure_saved_activations
 from moe_lc.model.init import build_model
 from moe_lc.parallel.activation_checkpointing import ActivationCheckpointing, CheckpointMode, apply_activation_checkpointing
 from moe_lc.parallel.activation_memory import (GPU_AUTOCAST, REFERENCE_FP32, estimate_activations,
-                                              fused_kda_kept_states_bytes_per_head)
+                                              fused_kda_kept_prep_bytes_per_head, fused_kda_kept_states_bytes_per_head)
 from configs import preset_with
 
 TOLERANCE = 0.15
@@ -70,18 +70,21 @@ def test_every_n_counts_only_the_checkpointed_layers():
                                                        full["layer3"], none["layer4"]]
 
 
-def test_kept_kda_states_add_their_bytes_to_each_kda_layer_the_fused_kernels_run():
+@pytest.mark.parametrize("what", ["kda_states", "kda_prep"])
+def test_kept_kda_states_add_their_bytes_to_each_kda_layer_the_fused_kernels_run(what):
     cfg = VARIANTS["tiny"]
-    per_layer = cfg.kda.num_heads * fused_kda_kept_states_bytes_per_head(cfg.kda.head_dim, cfg.kda.head_dim)
+    per_head = {"kda_states": fused_kda_kept_states_bytes_per_head,
+                "kda_prep": fused_kda_kept_prep_bytes_per_head}[what](cfg.kda.head_dim, cfg.kda.head_dim)
+    per_layer = cfg.kda.num_heads * per_head
     for policy in (ActivationCheckpointing(), ActivationCheckpointing("full", every=2)):
         plain = estimate_activations(cfg, policy, 128, GPU_AUTOCAST).by_layer
-        kept = estimate_activations(cfg, ActivationCheckpointing(policy.mode, policy.every, kda_states=True), 128,
+        kept = estimate_activations(cfg, ActivationCheckpointing(policy.mode, policy.every, **{what: True}), 128,
                                     GPU_AUTOCAST).by_layer
         for i, kind in enumerate(cfg.pattern):  # a fully checkpointed layer keeps its inputs only
             adds = per_layer if kind == "K" and not policy.checkpoints(i) else 0.0
             assert kept[f"layer{i}"] - plain[f"layer{i}"] == pytest.approx(adds, abs=1e-9), (policy, i)
         assert kept["other"] == plain["other"] and kept.get("mtp") == plain.get("mtp")
     # the torch reference KDA (CPU) keeps what autograd saves: the setting changes nothing there
-    ref = ActivationCheckpointing(kda_states=True)
+    ref = ActivationCheckpointing(**{what: True})
     assert estimate_activations(cfg, ref, 128, REFERENCE_FP32).by_layer == \
         estimate_activations(cfg, ActivationCheckpointing(), 128, REFERENCE_FP32).by_layer

@@ -186,12 +186,14 @@ def test_saved_prep_gives_the_same_gradients(monkeypatch, save_prep):
         assert torch.equal(a, b), n
 
 
+@pytest.mark.parametrize("kept", ["keep_states", "keep_prep"])
 @pytest.mark.parametrize("segment_chunks", [0, 1])
-def test_states_kept_by_the_forward_give_the_same_output_and_gradients(segment_chunks):
+def test_states_kept_by_the_forward_give_the_same_output_and_gradients(segment_chunks, kept):
     """keep_states: the forward's state pass keeps every chunk's state and Delta, and the backward
-    skips its own. In fp32 the pass computes what the backward's would, so the output, final state
-    and every gradient are bit-identical to recomputing; across documents and segments alike, and
-    the result is still the float64 one."""
+    skips its own; keep_prep: the forward keeps every prep output, and the backward does not rerun
+    the prep. In fp32 the forward computes what the backward's reruns would, so the output, final
+    state and every gradient are bit-identical to recomputing; across documents and segments alike,
+    and the result is still the float64 one."""
     bounds = [0, 64, 150, 200]  # a document ending exactly at a chunk boundary, one crossing two chunks
     x, h0 = raw_inputs(1, 200, 2, 16, 16, num_states=3, seed=6)
     names = ("q", "k", "v", "z", "beta", "A_log", "dt_bias")
@@ -200,7 +202,7 @@ def test_states_kept_by_the_forward_give_the_same_output_and_gradients(segment_c
 
     def run(keep):
         out, final = chunk_kda_fused(*(x[n] for n in names), initial_state=h0, output_final_state=True,
-                                     seq_bounds=bounds, segment_chunks=segment_chunks, keep_states=keep)
+                                     seq_bounds=bounds, segment_chunks=segment_chunks, **{kept: keep})
         grads = torch.autograd.grad((out * do).sum() + final.square().sum(), [*(x[n] for n in names), h0])
         return out, final, grads
 
@@ -210,14 +212,17 @@ def test_states_kept_by_the_forward_give_the_same_output_and_gradients(segment_c
     for n, a, b in zip([*names, "h0"], grads, kept_grads):
         assert torch.equal(a, b), n
     fresh = chunk_kda_fused(*(x[n] for n in names), initial_state=h0, output_final_state=True, seq_bounds=bounds,
-                            segment_chunks=segment_chunks, keep_states=True)
+                            segment_chunks=segment_chunks, **{kept: True})
     assert_matches(x, h0, *fresh, *fused_reference(x, h0, bounds))
 
 
-def test_kept_states_cost_what_the_planner_counts():
-    """The bytes keep_states adds to what the forward saves are every chunk's state and Delta in bf16:
-    ``fused_kda_kept_states_bytes_per_head`` per head and token, the planner's figure."""
-    from moe_lc.parallel.activation_memory import fused_kda_kept_states_bytes_per_head
+@pytest.mark.parametrize("kept", ["keep_states", "keep_prep"])
+def test_kept_states_cost_what_the_planner_counts(kept):
+    """The bytes keep_states adds to what the forward saves are every chunk's state and Delta in bf16,
+    ``fused_kda_kept_states_bytes_per_head`` per head and token; keep_prep's are the prep's outputs,
+    ``fused_kda_kept_prep_bytes_per_head``: the planner's figures."""
+    from moe_lc.parallel.activation_memory import (fused_kda_kept_prep_bytes_per_head,
+                                                   fused_kda_kept_states_bytes_per_head)
 
     heads, dim, tokens = 2, 16, 128
     x, _ = raw_inputs(1, tokens, heads, dim, dim, seed=4)
@@ -232,11 +237,12 @@ def test_kept_states_cost_what_the_planner_counts():
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            chunk_kda_fused(*inputs, keep_states=keep)
+            chunk_kda_fused(*inputs, **{kept: keep})
         return sum(storages.values())
 
     extra = saved_bytes(True) - saved_bytes(False)
-    assert extra == heads * tokens * fused_kda_kept_states_bytes_per_head(dim, dim)
+    per_head = {"keep_states": fused_kda_kept_states_bytes_per_head, "keep_prep": fused_kda_kept_prep_bytes_per_head}
+    assert extra == heads * tokens * per_head[kept](dim, dim)
 
 
 def test_fused_packed_documents_segmented():

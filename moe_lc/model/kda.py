@@ -50,8 +50,9 @@ class KDAttention(nn.Module):
         self.o_norm = GatedRMSNorm(K, norm_eps)  # sigmoid(W_g x) * RMSNorm_head(o)
         self.o_proj = nn.Linear(inner, d_model, bias=False)
         # what the recurrence keeps for backward: set from outside by the activation checkpointing
-        # policy (``kda_states``), as a memory trade, not part of the model's math
+        # policy (``kda_states``, ``kda_prep``), as a memory trade, not part of the model's math
         self.keep_states = False
+        self.keep_prep = False
         self.reset_gate_parameters()
 
     @torch.no_grad()
@@ -127,6 +128,7 @@ class KDAttention(nn.Module):
         lower = self.cfg.g_min if self.cfg.gate == "bounded" else None
         # L2 norm of q and k, the gate and beta's sigmoid run inside the kernels where they can
         o, _ = chunk_kda_from_projections(q, k, v, z, beta_logits, self.A_log, self.dt_bias, lower_bound=lower,
-                                          docs=docs, backend=self.cfg.backend, keep_states=self.keep_states)
+                                          docs=docs, backend=self.cfg.backend, keep_states=self.keep_states,
+                                          keep_prep=self.keep_prep)
         return o
 

@@ -43,7 +43,7 @@ _torch = _composed
 
 
 def _triton(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state,
-            docs, keep_states: bool = False):
+            docs, keep_states: bool = False, keep_prep: bool = False):
     from moe_lc_kernels.kda import GATE_SPAN_LIMIT, chunk_kda_fused, training_dims_ok
 
     if (lower_bound is None or not -GATE_SPAN_LIMIT <= lower_bound < 0
@@ -53,7 +53,8 @@ def _triton(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial
                         output_final_state, docs)
     return chunk_kda_fused(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound=lower_bound, scale=scale,
                            initial_state=initial_state, output_final_state=output_final_state,
-                           seq_bounds=None if docs is None else docs.host, keep_states=keep_states)
+                           seq_bounds=None if docs is None else docs.host, keep_states=keep_states,
+                           keep_prep=keep_prep)
 
 
 def _fla(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state,
@@ -112,6 +113,7 @@ def chunk_kda_from_projections(
     docs: DocumentBounds | Tensor | None = None,
     backend: str = "auto",
     keep_states: bool = False,
+    keep_prep: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """KDA on raw q, k (normalised here), v, the decay logit z [B, T, H, K] (gate as in
     :func:`kda_gate`: bounded with ``lower_bound``, softplus with None) and beta logits [B, T, H].
@@ -119,7 +121,8 @@ def chunk_kda_from_projections(
     :func:`chunk_kda`; differentiable in every tensor. With a context-parallel shard on ``docs``
     the inputs are this rank's local row, as in :func:`chunk_kda`. ``keep_states``: the fused Triton
     kernels keep their per-chunk states for the backward instead of recomputing them (a memory
-    trade, ``activation_checkpointing.kda_states``; the other backends keep what they keep)."""
+    trade, ``activation_checkpointing.kda_states``; the other backends keep what they keep);
+    ``keep_prep`` likewise keeps every output of their prep (``activation_checkpointing.kda_prep``)."""
     docs = as_document_bounds(docs)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if docs is not None and docs.shard is not None:
@@ -142,7 +145,7 @@ def chunk_kda_from_projections(
         raise ValueError(f'chunk_kda_from_projections: unknown backend "{backend}"; choose one of '
                          f'{["auto", *dict.fromkeys([*_BACKENDS, *available_kda_backends()])]}')
     if impl is _triton:
-        impl = partial(_triton, keep_states=keep_states)
+        impl = partial(_triton, keep_states=keep_states, keep_prep=keep_prep)
     out, final = impl(q, k, v, z, beta_logits, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state,
                       docs)
     return out.to(v.dtype), final

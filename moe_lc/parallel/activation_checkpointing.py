@@ -11,6 +11,9 @@
                 and is copied back when backward needs it
     kda_states  the fused KDA kernels keep every chunk's state (bf16, 768 bytes per head and token at
                 K = V = 128) for the backward, which then skips its state pass: speed for memory
+    kda_prep    the fused KDA kernels keep every output of their prep (W, U, Gamma Q, Gamma_C K in bf16,
+                G in fp32: 1,544 bytes per head and token at K = V = 128) for the backward, which then
+                skips recomputing them: speed for memory
 
 A checkpointed layer is `torch.utils.checkpoint` (non-reentrant) around the layer's forward, which
 is a pure function of the residual stream it is given. Selective mode adds an op policy
@@ -57,6 +60,7 @@ class ActivationCheckpointing:
     every: int = 1  # checkpoint every n-th decoder layer (1: all of them)
     offload: bool = False  # saved activations to pinned host memory between forward and backward
     kda_states: bool = False  # the fused KDA keeps its per-chunk states for backward (no state pass there)
+    kda_prep: bool = False  # the fused KDA keeps every prep output for backward (no prep rerun there)
 
     def __post_init__(self) -> None:
         self.mode = parse_choice(CheckpointMode, "activation_checkpointing.mode", self.mode)
@@ -65,8 +69,9 @@ class ActivationCheckpointing:
         """Raise ConfigError naming the field and the fix; returns self."""
         if not (isinstance(self.every, int) and not isinstance(self.every, bool) and self.every >= 1):
             raise ConfigError(f"activation_checkpointing.every={self.every!r} must be a positive integer (1: every layer)")
-        if not isinstance(self.kda_states, bool):
-            raise ConfigError(f"activation_checkpointing.kda_states={self.kda_states!r} must be true or false")
+        for name in ("kda_states", "kda_prep"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"activation_checkpointing.{name}={getattr(self, name)!r} must be true or false")
         if self.offload and self.mode == CheckpointMode.full and self.every == 1:
             raise ConfigError("activation_checkpointing.offload with mode full and every 1 moves nothing (a full "
                               "checkpoint keeps only each layer's inputs); use mode none or selective, or every > 1")
@@ -78,7 +83,8 @@ class ActivationCheckpointing:
 
     def describe(self) -> str:
         every = f" every {self.every}" if self.every > 1 and self.mode != CheckpointMode.none else ""
-        return f"{self.mode}{every}{' + offload' if self.offload else ''}{' + kda states' if self.kda_states else ''}"
+        return (f"{self.mode}{every}{' + offload' if self.offload else ''}{' + kda states' if self.kda_states else ''}"
+                f"{' + kda prep' if self.kda_prep else ''}")
 
 
 def _ops(*names: str) -> frozenset:
@@ -267,6 +273,7 @@ def apply_activation_checkpointing(model: MoELCModel, policy: ActivationCheckpoi
             module.__dict__.pop("recurrence", None)
             if isinstance(module, KDAttention):
                 module.keep_states = policy.kda_states
+                module.keep_prep = policy.kda_prep
         checkpointed = policy.checkpoints(layer.layer_idx)
         if checkpointed or policy.offload:
             layer.forward = _CheckpointedLayer(layer, checkpointed, policy.mode == CheckpointMode.selective,

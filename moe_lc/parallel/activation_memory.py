@@ -63,6 +63,12 @@ def fused_kda_kept_states_bytes_per_head(key_dim: int, value_dim: int) -> float:
     return 2 * (key_dim * value_dim / KDA_CHUNK + value_dim)
 
 
+def fused_kda_kept_prep_bytes_per_head(key_dim: int, value_dim: int) -> float:
+    """What ``activation_checkpointing.kda_prep`` adds per head and token: the prep's W, Gamma Q and
+    Gamma_C K (K each) and U (V) in bf16, G (K) in fp32 and G's per-chunk total (K fp32 per CHUNK tokens)."""
+    return 2 * (3 * key_dim + value_dim) + FP32 * key_dim * (1 + 1 / KDA_CHUNK)
+
+
 def fused_kda_backward_bytes_per_head(key_dim: int, value_dim: int) -> float:
     return key_dim * value_dim * (2 + FP32) / KDA_CHUNK + 2 * FP32 * key_dim
 
@@ -450,10 +456,12 @@ def estimate_activations(
         checkpointed = policy.checkpoints(i if layer.label != "mtp" else cfg.num_layers)
         mode = policy.mode if checkpointed else CheckpointMode.none
         by_layer[layer.label] = layer.under(mode)
-        if policy.kda_states and path.fused and mode != CheckpointMode.full and layer.label != "mtp" \
-                and cfg.pattern[i] == "K":
-            by_layer[layer.label] += cfg.kda.num_heads * fused_kda_kept_states_bytes_per_head(cfg.kda.head_dim,
-                                                                                             cfg.kda.head_dim)
+        if path.fused and mode != CheckpointMode.full and layer.label != "mtp" and cfg.pattern[i] == "K":
+            dims = (cfg.kda.head_dim, cfg.kda.head_dim)
+            if policy.kda_states:
+                by_layer[layer.label] += cfg.kda.num_heads * fused_kda_kept_states_bytes_per_head(*dims)
+            if policy.kda_prep:
+                by_layer[layer.label] += cfg.kda.num_heads * fused_kda_kept_prep_bytes_per_head(*dims)
     by_layer["other"] = outside_layers_bytes(cfg, tokens, path, fused_loss=fused_loss)
     return ActivationEstimate(policy, by_layer)
 

@@ -182,7 +182,8 @@ class MemoryModel:
                         loss_tokens: int, fused_loss: bool) -> float:
         """Bytes per token the stage's blocks keep for backward under ``policy`` (``fused_loss``: the loss
         computes its gradients in the forward, as it does without tensor parallelism)."""
-        key = (stage.layers, stage.last, policy.mode, policy.every, policy.kda_states, path, loss_tokens, fused_loss)
+        key = (stage.layers, stage.last, policy.mode, policy.every, policy.kda_states, policy.kda_prep, path, loss_tokens,
+               fused_loss)
         if key not in self._kept:
             per_policy = key[2:]
             if per_policy not in self._estimates:
@@ -196,7 +197,7 @@ class MemoryModel:
         return self._kept[key]
 
     def _backward_per_token(self, policy: ActivationCheckpointing, path: ExecutionPath) -> float:
-        key = (policy.mode, policy.every, policy.kda_states, path)
+        key = (policy.mode, policy.every, policy.kda_states, policy.kda_prep, path)
         if key not in self._backward:
             self._backward[key] = backward_working_bytes_per_token(self.facts.cfg, policy, path, self._layers(path))
         return self._backward[key]
