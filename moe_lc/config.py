@@ -116,7 +116,7 @@ class MoEConfig:
     router_backend: str = "torch"
     # the routed experts' weight gradients (one process, bf16 step copies of fp32 weights): torch
     # (autograd's bf16 product added into .grad) | triton (summed into .grad by the GEMM,
-    # moe_lc_kernels.grouped_wgrad) | auto (torch until the Triton GEMM is timed in a step)
+    # moe_lc_kernels.grouped_wgrad) | auto (torch: that GEMM is slower than CUTLASS's, §12.20)
     wgrad_backend: str = "auto"
 
 

@@ -119,7 +119,9 @@ def grouped_unsupported_reason(x: Tensor, w_gate: Tensor, w_in: Tensor, w_out: T
 def resolve_wgrad_backend(device: torch.device, backend: str = "auto") -> str:
     """How the stacked step copies' weight gradients reach the fp32 ``.grad``: "torch" (autograd's bf16
     product, then ``accumulate_``) or "triton" (summed by the weight-gradient GEMM,
-    ``_GroupedLinearSummingWeightGrads``); "auto" takes torch (the Triton GEMM is not yet timed in a step)."""
+    ``_GroupedLinearSummingWeightGrads``); "auto" takes torch: the Triton GEMM runs at ~470 TFLOP/s where
+    CUTLASS's runs at ~690, so it gains only the add it saves (6% of these ops at its best launch, and
+    its first launch made the step 3.4% slower; docs/performance.md §12.20)."""
     return choose_backend("moe.wgrad_backend", backend, "triton", triton_device_reason(device), auto_takes_fast=False)
 
 
