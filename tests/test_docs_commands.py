@@ -237,6 +237,11 @@ COMMANDS: dict[str, object] = {
         "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 1 --steps 5 --warmup 2 --variant "
         "no_keys=model.mla.keys_backend=torch --variant after= --variant "
         "bwd_only=MOE_LC_DEPTH_MIXTURE_TUNING=fwd_resident_max_d=0,bwd_resident_per_sm=1",
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 1 --steps 4 --warmup 2 --variant base= "
+        "--variant wgrad=model.moe.wgrad_backend=triton --variant lce=model.loss_backend=triton --variant "
+        "prep_all=MOE_LC_KDA_TUNING=save_prep=all",
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 1 --steps 4 --warmup 2 --variant base= "
+        '--variant both="model.loss_backend=triton MOE_LC_KDA_TUNING=save_prep=all"',
     )},
     # launch/ comments
     "bash launch/train_single_node.sh recipe=proxy-8k": Run(PROXY + " run_dir=runs/proxy-8k", env="MAX_RESTARTS=0"),
