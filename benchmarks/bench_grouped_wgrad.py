@@ -67,7 +67,8 @@ def main() -> None:
                 grad.zero_()
                 gw.grouped_wgrad_([grad], dy, x, ends, accumulate=True)
                 diff = (grad - want).abs().max().item()
-                print(f"| {name} | triton, fp32 sum in the GEMM ({label}) | {ms:.3f} | {flops / ms / 1e9:.0f} | {diff:.3g} |")
+                print(f"| {name} | triton, fp32 sum in the GEMM ({label}) | {ms:.3f} | {flops / ms / 1e9:.0f} "
+                      f"| {diff:.3g} |")
             except Exception as err:  # a launch the GPU refuses (shared memory): report it, try the next
                 print(f"| {name} | triton ({label}) | failed: {type(err).__name__}: {str(err)[:80]} | | |")
     gw.TUNING.clear()

@@ -223,7 +223,8 @@ def _grouped_wgrad() -> None:
     rows = 64 * EXPERTS
     gate, up = torch.zeros(EXPERTS, HIDDEN, LATENT), torch.zeros(EXPERTS, HIDDEN, LATENT)
     grouped_wgrad_([gate, up], _bf16(rows, 2 * HIDDEN), _bf16(rows, LATENT), ends, accumulate=True)
-    grouped_wgrad_([torch.zeros(EXPERTS, LATENT, HIDDEN)], _bf16(rows, LATENT), _bf16(rows, HIDDEN), ends, accumulate=False)
+    grouped_wgrad_([torch.zeros(EXPERTS, LATENT, HIDDEN)], _bf16(rows, LATENT), _bf16(rows, HIDDEN), ends,
+                   accumulate=False)
 
 
 def _kda() -> None:

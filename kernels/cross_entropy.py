@@ -1,11 +1,12 @@
 """The LM loss's elementwise part on Triton: per-token cross-entropy of logits and, optionally, its
 gradient softmax - onehot written over the logits.
 
-Why: the compiled PyTorch composition reads a chunk's bf16 logits three times (the maximum, the sum of
-exponentials, the gradient) and writes the gradient: at k3-small's [4096, 65536] chunks 0.71 ms each on
-an H100 against ~0.35 ms for one read and one write. Here one pass keeps an online maximum and sum
-(``cross_entropy_triton``) and a second writes the gradient, its reads mostly from L2. Triton is
-imported on first use (``moe_lc.ops.linear_cross_entropy`` is the public entry point: it picks these
+Why: the gradient is written over the logits, which nothing reads after it, so a chunk needs one
+[4096, 65536] buffer where the compiled PyTorch composition needs two (0.5 GiB less at k3-small's
+peak), and nothing is compiled. One pass keeps an online maximum and sum (``cross_entropy_triton``)
+and a second writes the gradient. Measured on an H100, it is no faster than the compiled composition
+(~0.7 ms a chunk both: the second pass still reads from DRAM, a row being 128 KB with ~1,000 rows in
+flight; docs/performance.md §12.20). Triton is imported on first use (``moe_lc.ops.linear_cross_entropy`` is the public entry point: it picks these
 kernels or its PyTorch reference).
 """
 

@@ -30,7 +30,7 @@ def grouped_wgrad_kernel(dy, x, ends, grad, grad_hi, M, N, SPLIT, DY_ROW, X_ROW,
     rows_in_group = tl.minimum(TILES_M - first_m, GROUP_M)
     tm = first_m + (tile % width) % rows_in_group
     tn = (tile % width) // rows_in_group
-    start = tl.where(expert > 0, tl.load(ends + expert - 1, mask=expert > 0, other=0), 0).to(tl.int64)
+    start = tl.load(ends + expert - 1, mask=expert > 0, other=0).to(tl.int64)
     end = tl.load(ends + expert).to(tl.int64)
     om = tm * BM + tl.arange(0, BM)
     on = tn * BN + tl.arange(0, BN)

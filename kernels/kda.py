@@ -490,7 +490,8 @@ class _ChunkKDAFunction(torch.autograd.Function):
         seg_end = _state_fwd(kt, w, u, qg, kend, aqk, gc, plan, cfg, init=seg_init, transition=False, out=o,
                              states=states, delta=delta)
         final = seg_end[plan.last_seg]
-        kept = {"none": (), "inverse": (aqk, x), "all": (*prep, gcum)}["all" if flags.keep_prep else TUNING["save_prep"]]
+        saved = "all" if flags.keep_prep else TUNING["save_prep"]
+        kept = {"none": (), "inverse": (aqk, x), "all": (*prep, gcum)}[saved]
         del gcum
         ctx.save_for_backward(q, k, v, gz, beta, A_log, dt_bias, seg_init, transitions, rnorm, states, delta, *kept)
         ctx.plan, ctx.flags, ctx.has_init = plan, flags, initial_state is not None

@@ -33,8 +33,8 @@ from torch import Tensor
 from moe_lc.ops.backend_choice import choose_backend, triton_device_reason
 from moe_lc.ops.situ_glu import glu_activation, glu_activation_stacked
 
-__all__ = ["grouped_glu", "grouped_glu_stacked", "resolve_wgrad_backend", "grouped_glu_reference", "grouped_glu_mm", "expert_offsets",
-           "resolve_backend", "grouped_unsupported_reason", "autocast_operands"]
+__all__ = ["grouped_glu", "grouped_glu_stacked", "grouped_glu_reference", "grouped_glu_mm", "expert_offsets",
+           "resolve_backend", "resolve_wgrad_backend", "grouped_unsupported_reason", "autocast_operands"]
 
 Counts = Union[Tensor, Sequence[int]]
 Activation = Callable[[Tensor, Tensor], Tensor]
