@@ -29,8 +29,10 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # choices also launch the SiLU backward kernel.
 # MOE_LC_SHORT_CONV_TUNING="key=value,..." overrides (a choice tried in a whole step: benchmarks/bench_ab.py).
 # ``rows``: 1 runs the row kernels (short_conv_triton.py: each program walks its BT rows ``rows_r`` at a
-# time, every row loaded once) with the same tile choices, 0 the tile kernels.
-TUNING = dict(fwd_bt=64, fwd_bc=64, fwd_warps=4, bwd_bt=128, bwd_bc=64, bwd_warps=4, rows=0, rows_r=8)
+# time, every row loaded once) with the same tile choices, 0 the tile kernels. ``fused_bwd``: with the
+# row kernels and SiLU, 1 runs the backward as one kernel (the SiLU derivative computed where dx and
+# dweight use it, at the bwd_* choices) instead of writing dy and reading it back.
+TUNING = dict(fwd_bt=64, fwd_bc=64, fwd_warps=4, bwd_bt=128, bwd_bc=64, bwd_warps=4, rows=0, rows_r=8, fused_bwd=0)
 TUNING.update(parse_launch_choices(os.environ.get("MOE_LC_SHORT_CONV_TUNING", ""), TUNING, "short conv"))
 
 
@@ -101,31 +103,39 @@ class _ShortConvFunction(torch.autograd.Function):
         pos_arg = pos if has_docs else x
         douts = [torch.zeros(B, T, width, device=x.device, dtype=x.dtype) if d is None else d.contiguous()
                  for d in douts]
+        bt, bc, warps = _blocks(T, C, "bwd")
+        t_blocks = triton.cdiv(T, bt)
+        step = _row_step(bt)
+        dx = torch.empty_like(x)
+        dw_part = torch.empty(B * t_blocks, W, C, device=x.device, dtype=torch.float32)
+        if ctx.silu and step is not None and TUNING["fused_bwd"]:
+            # one pass per group: its output gradient in, its channels of dx and dw_part out
+            _, bc, warps = _blocks(T, width, "bwd")
+            for g, (xg, wg, dout) in enumerate(zip(_pieces(x, ctx.pieces), weight.split(width), douts)):
+                kt.short_conv_bwd_silu_rows_kernel[(t_blocks, triton.cdiv(width, bc), B)](
+                    xg, wg, pos_arg, dout, dx[..., g * width:], dw_part[:, :, g * width:], T, width, C, width, C, W=W,
+                    WP=triton.next_power_of_2(W), BT=bt, R=step, BC=bc, HAS_DOCS=has_docs, num_warps=warps)
+            return dx, dw_part.sum(0).t().contiguous().to(weight.dtype), None, None, None
         if ctx.silu:
             # dy in x's dtype, as torch autograd keeps silu's input gradient: one rounding (2^-9
             # relative in bf16) before fp32 accumulation, at half the bytes of an fp32 buffer that
             # is written once and read W times by the next kernel. Each group's kernel reads its own
             # output gradient and writes its channels of dy (no concatenation of the groups).
             dy = torch.empty_like(x)
-            bt, bc, warps = _blocks(T, width, "fwd")
-            step = _row_step(bt)
+            fbt, fbc, fwarps = _blocks(T, width, "fwd")
+            fstep = _row_step(fbt)
             for xg, wg, dout, dyg in zip(_pieces(x, ctx.pieces), weight.split(width), douts, _pieces(dy, ctx.pieces)):
-                grid = (triton.cdiv(T, bt), triton.cdiv(width, bc), B)
-                if step is None:
-                    kt.short_conv_bwd_silu_kernel[grid](xg, wg, pos_arg, dout, dyg, T, width, C, width, W=W, BT=bt,
-                                                        BC=bc, HAS_DOCS=has_docs, num_warps=warps)
+                grid = (triton.cdiv(T, fbt), triton.cdiv(width, fbc), B)
+                if fstep is None:
+                    kt.short_conv_bwd_silu_kernel[grid](xg, wg, pos_arg, dout, dyg, T, width, C, width, W=W, BT=fbt,
+                                                        BC=fbc, HAS_DOCS=has_docs, num_warps=fwarps)
                 else:
-                    kt.short_conv_rows_kernel[grid](xg, wg, pos_arg, dout, dyg, T, width, C, width, C, W=W, BT=bt,
-                                                    R=step, BC=bc, HAS_DOCS=has_docs, SILU=True, SILU_GRAD=True,
-                                                    num_warps=warps)
+                    kt.short_conv_rows_kernel[grid](xg, wg, pos_arg, dout, dyg, T, width, C, width, C, W=W, BT=fbt,
+                                                    R=fstep, BC=fbc, HAS_DOCS=has_docs, SILU=True, SILU_GRAD=True,
+                                                    num_warps=fwarps)
         else:
             dy = torch.cat(douts, dim=-1).to(x.dtype)
-        bt, bc, warps = _blocks(T, C, "bwd")
-        t_blocks = triton.cdiv(T, bt)
-        dx = torch.empty_like(x)
-        dw_part = torch.empty(B * t_blocks, W, C, device=x.device, dtype=torch.float32)
         grid = (t_blocks, triton.cdiv(C, bc), B)
-        step = _row_step(bt)
         if step is None:
             kt.short_conv_bwd_kernel[grid](x, weight, pos_arg, dy, dx, dw_part, T, C, W=W, BT=bt, BC=bc,
                                            HAS_DOCS=has_docs, num_warps=warps)

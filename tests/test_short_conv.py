@@ -34,19 +34,27 @@ TOL = 1e-5  # fp32 kernels vs float64 (measured ~1e-7)
 DOC_LENS = [1, 2, 3, 7, 20, 1, 33, 2, 41]  # 110 tokens; boundaries fall inside and across 16-row tiles
 
 
-@pytest.fixture(params=["tiles", "rows"])
+@pytest.fixture(params=["tiles", "rows", "fused"])
 def small_tiles(monkeypatch, request):
     """Tiles of 16 x 32 so that T = 50..150 spans several T blocks and C = 40 two channel blocks; each
-    test runs the tile kernels and the row kernels (steps of 4 rows: four steps a program)."""
+    test runs the tile kernels, the row kernels (steps of 4 rows: four steps a program) and the row
+    kernels with the SiLU backward fused into dx and dweight's kernel."""
     monkeypatch.setattr(kernel_module, "TUNING", dict(fwd_bt=16, fwd_bc=32, fwd_warps=4, bwd_bt=16, bwd_bc=32,
-                                                       bwd_warps=4, rows=int(request.param == "rows"), rows_r=4))
+                                                       bwd_warps=4, rows=int(request.param != "tiles"), rows_r=4,
+                                                       fused_bwd=int(request.param == "fused")))
     return request.param
 
 
 def tiles_only(layout: str) -> None:
     """The row kernels take minutes in Triton's interpreter at the larger cases; the smaller ones test them."""
-    if layout == "rows":
+    if layout != "tiles":
         pytest.skip("the row kernels run this case's smaller sibling (interpreter time)")
+
+
+def silu_only(layout: str, activation) -> None:
+    """The fused layout changes only the SiLU backward: without SiLU it runs the row kernels' case again."""
+    if layout == "fused" and activation is None:
+        pytest.skip("without SiLU the fused layout is the row kernels' case")
 
 
 def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -99,6 +107,7 @@ def per_document_reference(x, w, dout, lens, activation):
 @pytest.mark.parametrize("activation", [None, "silu"])
 @pytest.mark.parametrize("batch,seq_len", [(3, 50), (2, 131)])
 def test_matches_float64_without_documents(small_tiles, activation, batch, seq_len):
+    silu_only(small_tiles, activation)
     if seq_len > 100:
         tiles_only(small_tiles)
     x, w, dout = inputs(batch, seq_len, seed=seq_len)
@@ -110,6 +119,7 @@ def test_matches_float64_without_documents(small_tiles, activation, batch, seq_l
 
 @pytest.mark.parametrize("activation", [None, "silu"])
 def test_documents_match_float64_and_each_document_alone(small_tiles, activation):
+    silu_only(small_tiles, activation)
     lens = DOC_LENS
     x, w, dout = inputs(1, sum(lens), seed=1)
     cu = cu_of(lens)  # DocumentBounds (as the layer passes them) or a plain cu_seqlens tensor
