@@ -59,7 +59,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TUNING = dict(fwd_rows=1, fwd_block_d=256, fwd_warps=1, bwd_rows=1, bwd_block_d=256, bwd_warps=1,
               l2_budget=40 << 20, programs=None, resident_max_values=80,
               fwd_resident_max_d=4096, fwd_resident_rows=1, fwd_resident_cols_per_warp=256, fwd_resident_per_sm=2,
-              bwd_resident_max_d=4096, bwd_resident_rows=1, bwd_resident_cols_per_warp=256, bwd_resident_per_sm=2)
+              fwd_resident_prefetch=0,
+              bwd_resident_max_d=4096, bwd_resident_rows=1, bwd_resident_cols_per_warp=256, bwd_resident_per_sm=2,
+              bwd_resident_prefetch=0)
 # MOE_LC_DEPTH_MIXTURE_TUNING="key=value,..." overrides (a choice tried in a whole step: benchmarks/bench_ab.py;
 # programs=0 sizes the grid as None does).
 TUNING.update(parse_launch_choices(os.environ.get("MOE_LC_DEPTH_MIXTURE_TUNING", ""), TUNING, "depth mixture"))
@@ -196,6 +198,7 @@ class _DepthMixtureFunction(torch.autograd.Function):
         if resident is not None:
             programs, rows, block, warps = resident
             kt.depth_mixture_fwd_resident_kernel[(programs,)](*args, S=S, ROWS=rows, BLOCK=block, NORM=norm,
+                                                              PREFETCH=bool(TUNING["fwd_resident_prefetch"]),
                                                               num_warps=warps)
         else:
             programs, rows, block_d, warps = _launch_shape(N, D, _row_bytes(D, sources), device, "fwd")
@@ -244,7 +247,8 @@ class _DepthMixtureFunction(torch.autograd.Function):
                 out_gain if norm else part, rho if norm else a, part2, N, D)
         if resident is not None:
             kt.depth_mixture_bwd_resident_kernel[(programs,)](*args, S=S, ROWS=rows, BLOCK=block, ADD_TO=add_to,
-                                                              NORM=norm, num_warps=warps)
+                                                              NORM=norm, PREFETCH=bool(TUNING["bwd_resident_prefetch"]),
+                                                              num_warps=warps)
         else:
             kt.depth_mixture_bwd_kernel[(programs,)](*args, S=S, ROWS=rows, BLOCK_D=block_d, ADD_TO=add_to, NORM=norm,
                                                      num_warps=warps)

@@ -290,20 +290,40 @@ def depth_mixture_bwd_kernel(srcs, dsrcs, seeds, grad, w, a_in, r_in, part, gamm
 
 
 @triton.jit
+def _source_tiles(srcs, base, cols, mask, S: tl.constexpr):
+    """Every source's fp32 tile of the rows at ``base``."""
+    vs = ()
+    for i in tl.static_range(S):
+        vs = vs + (_load_tile(srcs[i], base, cols, mask),)
+    return vs
+
+
+@triton.jit
 def depth_mixture_fwd_resident_kernel(srcs, w, h, a_out, r_out, gamma, rho_out, N, D, eps, eps2, S: tl.constexpr,
-                                      ROWS: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr):
-    """``depth_mixture_fwd_kernel``'s results, ROWS whole rows at a time (programs stride over the row blocks)."""
+                                      ROWS: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr,
+                                      PREFETCH: tl.constexpr):
+    """``depth_mixture_fwd_kernel``'s results, ROWS whole rows at a time (programs stride over the row blocks).
+    With PREFETCH a program loads its next row block's sources before working on the current one, so
+    their reads are in flight during its reductions (a row block's reads otherwise wait for the
+    previous one's stores)."""
     cols = tl.arange(0, BLOCK)
     col_in = cols < D
     wt = tl.load(w + cols, mask=col_in, other=0.0)[None, :]
     if NORM:
         gam = tl.load(gamma + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
-    for blk in range(tl.program_id(0), tl.cdiv(N, ROWS), tl.num_programs(0)):
+    step = tl.num_programs(0)
+    if PREFETCH:
+        rows, row_in, base = _row_block(tl.program_id(0), N, D, ROWS)
+        ahead = _source_tiles(srcs, base, cols, row_in[:, None] & col_in[None, :], S)
+    for blk in range(tl.program_id(0), tl.cdiv(N, ROWS), step):
         rows, row_in, base = _row_block(blk, N, D, ROWS)
         mask = row_in[:, None] & col_in[None, :]
-        vs = ()
-        for i in tl.static_range(S):
-            vs = vs + (_load_tile(srcs[i], base, cols, mask),)
+        if PREFETCH:
+            vs = ahead
+            _, next_in, next_base = _row_block(blk + step, N, D, ROWS)
+            ahead = _source_tiles(srcs, next_base, cols, next_in[:, None] & col_in[None, :], S)
+        else:
+            vs = _source_tiles(srcs, base, cols, mask, S)
         logits = ()
         for i in tl.static_range(S):
             r = 1.0 / tl.sqrt_rn(tl.sum(vs[i] * vs[i], axis=1) / D + eps)
@@ -324,11 +344,37 @@ def depth_mixture_fwd_resident_kernel(srcs, w, h, a_out, r_out, gamma, rho_out, 
 
 
 @triton.jit
+def _bwd_row_inputs(srcs, seeds, grad, a_in, r_in, rho_in, blk, N, D, cols, col_in, S: tl.constexpr,
+                    ROWS: tl.constexpr, ADD_TO: tl.constexpr, NORM: tl.constexpr):
+    """What the resident backward reads of row block ``blk`` (nothing past N): the output gradient's
+    tile, the sources' tiles, their weights a and inverse rms r, rho (NORM), and the seeds' tiles (an
+    empty [ROWS] vector for a source without one)."""
+    rows, row_in, base = _row_block(blk, N, D, ROWS)
+    mask = row_in[:, None] & col_in[None, :]
+    g = _load_tile(grad, base, cols, mask)
+    vs = ()
+    a = ()
+    r = ()
+    sd = ()
+    for i in tl.static_range(S):
+        vs = vs + (_load_tile(srcs[i], base, cols, mask),)
+        a = a + (tl.load(a_in + i * N + rows, mask=row_in, other=0.0),)
+        r = r + (tl.load(r_in + i * N + rows, mask=row_in, other=0.0),)
+        if (ADD_TO >> i) & 1:
+            sd = sd + (_load_tile(seeds[i], base, cols, mask),)
+        else:
+            sd = sd + (tl.zeros([ROWS], dtype=tl.float32),)
+    rho = tl.load(rho_in + rows, mask=row_in, other=0.0) if NORM else tl.zeros([ROWS], dtype=tl.float32)
+    return g, vs, a, r, rho, sd
+
+
+@triton.jit
 def depth_mixture_bwd_resident_kernel(srcs, dsrcs, seeds, grad, w, a_in, r_in, part, gamma, rho_in, part2, N, D,
                                       S: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, ADD_TO: tl.constexpr,
-                                      NORM: tl.constexpr):
+                                      NORM: tl.constexpr, PREFETCH: tl.constexpr):
     """``depth_mixture_bwd_kernel``'s results, ROWS whole rows at a time: ``part`` (and ``part2``) [programs, D]
-    receive each program's sums over its rows, written once (not added to: the caller need not zero them)."""
+    receive each program's sums over its rows, written once (not added to: the caller need not zero them).
+    PREFETCH as in the forward: the next row block's inputs are loaded before the current one's work."""
     cols = tl.arange(0, BLOCK)
     col_in = cols < D
     wt = tl.load(w + cols, mask=col_in, other=0.0)[None, :]
@@ -336,17 +382,21 @@ def depth_mixture_bwd_resident_kernel(srcs, dsrcs, seeds, grad, w, a_in, r_in, p
         gam = tl.load(gamma + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
     query_sum = tl.zeros([BLOCK], dtype=tl.float32)
     gain_sum = tl.zeros([BLOCK], dtype=tl.float32)
-    for blk in range(tl.program_id(0), tl.cdiv(N, ROWS), tl.num_programs(0)):
+    step = tl.num_programs(0)
+    if PREFETCH:
+        ahead = _bwd_row_inputs(srcs, seeds, grad, a_in, r_in, rho_in, tl.program_id(0), N, D, cols, col_in, S, ROWS,
+                                ADD_TO, NORM)
+    for blk in range(tl.program_id(0), tl.cdiv(N, ROWS), step):
         rows, row_in, base = _row_block(blk, N, D, ROWS)
         mask = row_in[:, None] & col_in[None, :]
-        g = _load_tile(grad, base, cols, mask)
-        vs = ()
-        a = ()
-        for i in tl.static_range(S):
-            vs = vs + (_load_tile(srcs[i], base, cols, mask),)
-            a = a + (tl.load(a_in + i * N + rows, mask=row_in, other=0.0),)
+        if PREFETCH:
+            g, vs, a, rs, rho, sd = ahead
+            ahead = _bwd_row_inputs(srcs, seeds, grad, a_in, r_in, rho_in, blk + step, N, D, cols, col_in, S, ROWS,
+                                    ADD_TO, NORM)
+        else:
+            g, vs, a, rs, rho, sd = _bwd_row_inputs(srcs, seeds, grad, a_in, r_in, rho_in, blk, N, D, cols, col_in, S,
+                                                    ROWS, ADD_TO, NORM)
         if NORM:  # G = rho (gamma Y) - rho^3 (c / D) h^, h^ recomputed as the forward rounded it
-            rho = tl.load(rho_in + rows, mask=row_in, other=0.0)
             h_hat = _mixed_tile(vs, a, S, grad.dtype.element_ty)
             gain_sum += tl.sum(g * h_hat * rho[:, None], axis=0)
             gy = gam * g
@@ -359,12 +409,12 @@ def depth_mixture_bwd_resident_kernel(srcs, dsrcs, seeds, grad, w, a_in, r_in, p
             mean += a[i] * da[i]
         weighted = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         for i in tl.static_range(S):
-            r = tl.load(r_in + i * N + rows, mask=row_in, other=0.0)
+            r = rs[i]
             wc = r * a[i] * (da[i] - mean)
             vc = wc * r * (r * tl.sum(vs[i] * wt, axis=1)) / D
             dv = a[i][:, None] * g + wc[:, None] * wt - vc[:, None] * vs[i]
             if (ADD_TO >> i) & 1:
-                dv += _load_tile(seeds[i], base, cols, mask)
+                dv += sd[i]
             tl.store(dsrcs[i] + base[:, None] + cols[None, :], dv.to(dsrcs[i].dtype.element_ty), mask=mask)
             weighted += wc[:, None] * vs[i]
         query_sum += tl.sum(weighted, axis=0)
