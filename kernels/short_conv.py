@@ -29,9 +29,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # choices also launch the SiLU backward kernel.
 # MOE_LC_SHORT_CONV_TUNING="key=value,..." overrides (a choice tried in a whole step: benchmarks/bench_ab.py).
 # ``rows``: 1 runs the row kernels (short_conv_triton.py: each program walks its BT rows ``rows_r`` at a
-# time, every row loaded once) with the same tile choices, 0 the tile kernels. ``fused_bwd``: with the
-# row kernels and SiLU, 1 runs the backward as one kernel (the SiLU derivative computed where dx and
-# dweight use it, at the bwd_* choices) instead of writing dy and reading it back.
+# time, every row loaded once) with the same tile choices, 0 the tile kernels. ``fused_bwd``: with SiLU,
+# 1 runs the backward as one row kernel (the SiLU derivative computed where dx and dweight use it, at
+# the bwd_* choices and ``rows_r``), whatever ``rows`` is, instead of writing dy and reading it back.
 TUNING = dict(fwd_bt=64, fwd_bc=64, fwd_warps=4, bwd_bt=128, bwd_bc=64, bwd_warps=4, rows=0, rows_r=8, fused_bwd=0)
 TUNING.update(parse_launch_choices(os.environ.get("MOE_LC_SHORT_CONV_TUNING", ""), TUNING, "short conv"))
 
@@ -45,9 +45,10 @@ def _blocks(T: int, C: int, prefix: str) -> tuple[int, int, int]:
     return bt, bc, TUNING[f"{prefix}_warps"]
 
 
-def _row_step(bt: int) -> Optional[int]:
-    """Rows a step of the row kernels for a program of ``bt`` rows (None: the tile kernels run)."""
-    if not TUNING["rows"]:
+def _row_step(bt: int, enabled: Optional[bool] = None) -> Optional[int]:
+    """Rows a step of the row kernels for a program of ``bt`` rows (None: the tile kernels run);
+    ``enabled`` overrides the ``rows`` choice."""
+    if not (TUNING["rows"] if enabled is None else enabled):
         return None
     step = min(TUNING["rows_r"], bt)
     if step < 1 or bt % step:
@@ -108,8 +109,9 @@ class _ShortConvFunction(torch.autograd.Function):
         step = _row_step(bt)
         dx = torch.empty_like(x)
         dw_part = torch.empty(B * t_blocks, W, C, device=x.device, dtype=torch.float32)
-        if ctx.silu and step is not None and TUNING["fused_bwd"]:
+        if ctx.silu and TUNING["fused_bwd"]:
             # one pass per group: its output gradient in, its channels of dx and dw_part out
+            step = _row_step(bt, enabled=True)
             _, bc, warps = _blocks(T, width, "bwd")
             for g, (xg, wg, dout) in enumerate(zip(_pieces(x, ctx.pieces), weight.split(width), douts)):
                 kt.short_conv_bwd_silu_rows_kernel[(t_blocks, triton.cdiv(width, bc), B)](

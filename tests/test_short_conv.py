@@ -37,10 +37,10 @@ DOC_LENS = [1, 2, 3, 7, 20, 1, 33, 2, 41]  # 110 tokens; boundaries fall inside 
 @pytest.fixture(params=["tiles", "rows", "fused"])
 def small_tiles(monkeypatch, request):
     """Tiles of 16 x 32 so that T = 50..150 spans several T blocks and C = 40 two channel blocks; each
-    test runs the tile kernels, the row kernels (steps of 4 rows: four steps a program) and the row
-    kernels with the SiLU backward fused into dx and dweight's kernel."""
+    test runs the tile kernels, the row kernels (steps of 4 rows: four steps a program) and the tile
+    forward with the SiLU backward fused into dx and dweight's row kernel."""
     monkeypatch.setattr(kernel_module, "TUNING", dict(fwd_bt=16, fwd_bc=32, fwd_warps=4, bwd_bt=16, bwd_bc=32,
-                                                       bwd_warps=4, rows=int(request.param != "tiles"), rows_r=4,
+                                                       bwd_warps=4, rows=int(request.param == "rows"), rows_r=4,
                                                        fused_bwd=int(request.param == "fused")))
     return request.param
 
@@ -52,9 +52,9 @@ def tiles_only(layout: str) -> None:
 
 
 def silu_only(layout: str, activation) -> None:
-    """The fused layout changes only the SiLU backward: without SiLU it runs the row kernels' case again."""
+    """The fused layout changes only the SiLU backward: without SiLU it runs the tile kernels' case again."""
     if layout == "fused" and activation is None:
-        pytest.skip("without SiLU the fused layout is the row kernels' case")
+        pytest.skip("without SiLU the fused layout is the tile kernels' case")
 
 
 def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
