@@ -30,9 +30,12 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # MOE_LC_SHORT_CONV_TUNING="key=value,..." overrides (a choice tried in a whole step: benchmarks/bench_ab.py).
 # ``rows``: 1 runs the row kernels (short_conv_triton.py: each program walks its BT rows ``rows_r`` at a
 # time, every row loaded once) with the same tile choices, 0 the tile kernels. ``fused_bwd``: with SiLU,
-# 1 runs the backward as one row kernel (the SiLU derivative computed where dx and dweight use it, at
-# the bwd_* choices and ``rows_r``), whatever ``rows`` is, instead of writing dy and reading it back.
-TUNING = dict(fwd_bt=64, fwd_bc=64, fwd_warps=4, bwd_bt=128, bwd_bc=64, bwd_warps=4, rows=0, rows_r=8, fused_bwd=0)
+# 1 runs the backward as one row kernel (the SiLU derivative computed where dx and dweight use it:
+# dy is never written) with its own tiles (``fused_*``), ``rows_r`` rows a step, whatever ``rows`` is. Measured on one H100 (k3-small's step at 8 of its 20 layers, two calls): -0.73%
+# and -0.67% against the two-kernel backward; the row kernels in both passes with it -0.45%
+# (docs/performance.md §8, §12.21).
+TUNING = dict(fwd_bt=64, fwd_bc=64, fwd_warps=4, bwd_bt=128, bwd_bc=64, bwd_warps=4, rows=0, rows_r=8, fused_bwd=1,
+              fused_bt=128, fused_bc=256, fused_warps=4)
 TUNING.update(parse_launch_choices(os.environ.get("MOE_LC_SHORT_CONV_TUNING", ""), TUNING, "short conv"))
 
 
@@ -104,20 +107,22 @@ class _ShortConvFunction(torch.autograd.Function):
         pos_arg = pos if has_docs else x
         douts = [torch.zeros(B, T, width, device=x.device, dtype=x.dtype) if d is None else d.contiguous()
                  for d in douts]
-        bt, bc, warps = _blocks(T, C, "bwd")
-        t_blocks = triton.cdiv(T, bt)
-        step = _row_step(bt)
         dx = torch.empty_like(x)
-        dw_part = torch.empty(B * t_blocks, W, C, device=x.device, dtype=torch.float32)
         if ctx.silu and TUNING["fused_bwd"]:
             # one pass per group: its output gradient in, its channels of dx and dw_part out
-            step = _row_step(bt, enabled=True)
-            _, bc, warps = _blocks(T, width, "bwd")
+            bt, bc, warps = _blocks(T, width, "fused")
+            t_blocks = triton.cdiv(T, bt)
+            dw_part = torch.empty(B * t_blocks, W, C, device=x.device, dtype=torch.float32)
             for g, (xg, wg, dout) in enumerate(zip(_pieces(x, ctx.pieces), weight.split(width), douts)):
                 kt.short_conv_bwd_silu_rows_kernel[(t_blocks, triton.cdiv(width, bc), B)](
                     xg, wg, pos_arg, dout, dx[..., g * width:], dw_part[:, :, g * width:], T, width, C, width, C, W=W,
-                    WP=triton.next_power_of_2(W), BT=bt, R=step, BC=bc, HAS_DOCS=has_docs, num_warps=warps)
+                    WP=triton.next_power_of_2(W), BT=bt, R=_row_step(bt, enabled=True), BC=bc, HAS_DOCS=has_docs,
+                    num_warps=warps)
             return dx, dw_part.sum(0).t().contiguous().to(weight.dtype), None, None, None
+        bt, bc, warps = _blocks(T, C, "bwd")
+        t_blocks = triton.cdiv(T, bt)
+        step = _row_step(bt)
+        dw_part = torch.empty(B * t_blocks, W, C, device=x.device, dtype=torch.float32)
         if ctx.silu:
             # dy in x's dtype, as torch autograd keeps silu's input gradient: one rounding (2^-9
             # relative in bf16) before fp32 accumulation, at half the bytes of an fp32 buffer that

@@ -134,6 +134,8 @@ COMMANDS: dict[str, object] = {
         "python benchmarks/bench_grad_accumulation.py",
         "python benchmarks/bench_short_conv.py",
         "python benchmarks/bench_short_conv.py --shapes kda_qkv_B1_T16K_C6144_docs --tuning 'fwd_bt=128;bwd_bt=64'",
+        'python benchmarks/bench_short_conv.py --tuning "fused_bwd=0;rows=1,fwd_bc=256,fwd_warps=2,bwd_bc=256,'
+        'bwd_warps=2,fused_bwd=0;;rows=1,fwd_bc=256,fwd_warps=2,fused_bc=256,fused_warps=2;fused_bc=64"',
         "python benchmarks/bench_attention.py --heads 16 --shapes T8K_docs2,T8K_docs8,T64K_docs24,T64K_docs64,"
         "T64K_docs256 --variants varlen,padded --fresh 4",
         "python benchmarks/bench_attention.py --heads 16 --shapes T64K_docs24,T64K_docs256,T8K_single --variants "
@@ -242,6 +244,13 @@ COMMANDS: dict[str, object] = {
         "prep_all=MOE_LC_KDA_TUNING=save_prep=all",
         "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 1 --steps 4 --warmup 2 --variant base= "
         '--variant both="model.loss_backend=triton MOE_LC_KDA_TUNING=save_prep=all"',
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 1 --steps 4 --warmup 2 --variant "
+        'now=MOE_LC_SHORT_CONV_TUNING=fused_bwd=0 --variant fused= --variant pf="MOE_LC_SHORT_CONV_TUNING=fused_bwd=0 '
+        'MOE_LC_DEPTH_MIXTURE_TUNING=fwd_resident_prefetch=1,bwd_resident_prefetch=1" --variant '
+        "both=MOE_LC_DEPTH_MIXTURE_TUNING=fwd_resident_prefetch=1,bwd_resident_prefetch=1",
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 1 --steps 4 --warmup 2 --variant "
+        'now=MOE_LC_SHORT_CONV_TUNING=fused_bwd=0 --variant r1f="MOE_LC_SHORT_CONV_TUNING=rows=1,fwd_bc=256,fwd_warps=2,'
+        'fused_bc=256,fused_warps=2" --variant fb=',
     )},
     # launch/ comments
     "bash launch/train_single_node.sh recipe=proxy-8k": Run(PROXY + " run_dir=runs/proxy-8k", env="MAX_RESTARTS=0"),

@@ -41,7 +41,8 @@ def small_tiles(monkeypatch, request):
     forward with the SiLU backward fused into dx and dweight's row kernel."""
     monkeypatch.setattr(kernel_module, "TUNING", dict(fwd_bt=16, fwd_bc=32, fwd_warps=4, bwd_bt=16, bwd_bc=32,
                                                        bwd_warps=4, rows=int(request.param == "rows"), rows_r=4,
-                                                       fused_bwd=int(request.param == "fused")))
+                                                       fused_bwd=int(request.param == "fused"), fused_bt=16,
+                                                       fused_bc=32, fused_warps=4))
     return request.param
 
 
