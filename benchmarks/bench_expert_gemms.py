@@ -19,6 +19,13 @@ torchao.
 the weights stacked ([E, 2h, l], what the training step runs), with the weights stored [E, N, K]
 (passed transposed) or [E, K, N], and the output GEMM, against a dense GEMM of the stacked shape:
 ms and TFLOP/s forward and forward + backward.
+
+``--batched`` times the stacked gate/input GEMM and the output GEMM as ``torch._grouped_mm`` runs them
+against a batched GEMM (``torch.bmm``) over every expert's rows padded to one capacity: the largest
+count of the draw (no row dropped), that rounded up to 128, and 1.25x the mean. TFLOP/s count only
+the rows routed (the padding is work the batched GEMM wastes). A probe of whether a capacity layout
+of the permuted tokens would pay (docs/performance.md §12.21): it would need the permutation to
+write [E, C, d] with zeroed padding.
 """
 
 from __future__ import annotations
@@ -108,12 +115,41 @@ def stacking_table(experts: int, width: int, hidden: int, rows: int, offsets: to
           f"{2 * rows * width * 2 * hidden / dense / 1e9:.1f} TFLOP/s")
 
 
+def batched_table(experts: int, width: int, hidden: int, counts: torch.Tensor, repeats: int,
+                  dev: torch.device) -> None:
+    """Grouped against capacity-padded batched GEMMs, stacked gate/input and output (bf16, [E, N, K] weights)."""
+    bf16 = torch.bfloat16
+    rows = int(counts.sum())
+    offsets = expert_offsets(counts, dev)
+    mean, largest = rows / experts, int(counts.max())
+    capacities = {"largest count": largest, "largest, to 128": -(-largest // 128) * 128,
+                  "1.25x the mean": int(1.25 * mean)}
+    print(f"counts: mean {mean:.0f}, largest {largest} ({largest / mean:.3f}x the mean)")
+    print(f"{'GEMM':<24} {'layout':<26} {'fwd ms':>8} {'f+b ms':>8} {'fwd TFLOP/s':>12} {'f+b TFLOP/s':>12}")
+    for name, n_in, n_out in (("stacked gate + input", width, 2 * hidden), ("output", hidden, width)):
+        w = (torch.randn(experts, n_out, n_in, device=dev) * n_in ** -0.5).to(bf16).requires_grad_(True)
+        flops = 2 * rows * n_in * n_out
+        x = torch.randn(rows, n_in, device=dev, dtype=bf16, requires_grad=True)
+        dy = torch.randn(rows, n_out, device=dev, dtype=bf16)
+        cases = {"grouped": (lambda x=x, w=w: torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets), x, dy)}
+        for label, cap in capacities.items():
+            xb = torch.randn(experts, cap, n_in, device=dev, dtype=bf16, requires_grad=True)
+            cases[f"batched, {label} ({cap})"] = (lambda xb=xb, w=w: torch.bmm(xb, w.transpose(-2, -1)), xb,
+                                                  torch.randn(experts, cap, n_out, device=dev, dtype=bf16))
+        for label, (fn, inp, cot) in cases.items():
+            fwd = gpu_ms(fn, repeats)
+            both = gpu_ms(lambda fn=fn, cot=cot: torch.autograd.backward([fn()], [cot]), repeats)
+            print(f"{name:<24} {label:<26} {fwd:8.3f} {both:8.3f} {flops / fwd / 1e9:12.1f} "
+                  f"{3 * flops / both / 1e9:12.1f}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="k3-small")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--stacking", action="store_true", help="the gate and input GEMMs split or stacked (bf16)")
+    p.add_argument("--batched", action="store_true", help="grouped against capacity-padded batched GEMMs (bf16)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_expert_gemms.py: needs a CUDA GPU", file=sys.stderr)
@@ -127,6 +163,11 @@ def main(argv=None) -> int:
         print(f"{args.preset} routed experts: {E} experts, {rows} rows ({args.tokens} tokens x top-{moe.top_k}), "
               f"{torch.cuda.get_device_name(dev)}; ms of GPU time per call")
         stacking_table(E, d, h, rows, offsets, args.repeats)
+        return 0
+    if args.batched:
+        print(f"{args.preset} routed experts: {E} experts, {rows} rows ({args.tokens} tokens x top-{moe.top_k}), "
+              f"{torch.cuda.get_device_name(dev)}; ms of GPU time per call")
+        batched_table(E, d, h, balanced_counts(rows, E, torch.Generator().manual_seed(0)), args.repeats, dev)
         return 0
     x = torch.randn(rows, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
     w_gate, w_in = (torch.randn(E, h, d, device=dev) * d ** -0.5 for _ in range(2))

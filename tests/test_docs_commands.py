@@ -134,6 +134,7 @@ COMMANDS: dict[str, object] = {
         "python benchmarks/bench_grad_accumulation.py",
         "python benchmarks/bench_short_conv.py",
         "python benchmarks/bench_short_conv.py --shapes kda_qkv_B1_T16K_C6144_docs --tuning 'fwd_bt=128;bwd_bt=64'",
+        "python benchmarks/bench_expert_gemms.py --batched --tokens 16384",
         'python benchmarks/bench_short_conv.py --tuning "fused_bwd=0;rows=1,fwd_bc=256,fwd_warps=2,bwd_bc=256,'
         'bwd_warps=2,fused_bwd=0;;rows=1,fwd_bc=256,fwd_warps=2,fused_bc=256,fused_warps=2;fused_bc=64"',
         "python benchmarks/bench_attention.py --heads 16 --shapes T8K_docs2,T8K_docs8,T64K_docs24,T64K_docs64,"
