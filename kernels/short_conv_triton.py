@@ -11,6 +11,10 @@ but W - 1 rows, so x is read from DRAM about once; the rest hits L1/L2.
 Tap j (0 <= j < W) pairs y[t] with x[t - j] and weight[c, W-1-j]; it is valid when t - j >= 0 and
 t - j is in t's document, i.e. pos[t] >= j (pos[t] <= t, the first test only keeps addresses in
 bounds should pos be inconsistent). Row offsets are int64: B*T*C can exceed 2^31.
+
+The default backward with SiLU is ``short_conv_bwd_silu_rows_kernel`` (one pass, dy never written);
+the two-kernel backward (SiLU's derivative into dy, then dx and dweight) stays for ``fused_bwd=0``
+and for the convolution without SiLU.
 """
 
 from __future__ import annotations
