@@ -12,9 +12,9 @@ Tap j (0 <= j < W) pairs y[t] with x[t - j] and weight[c, W-1-j]; it is valid wh
 t - j is in t's document, i.e. pos[t] >= j (pos[t] <= t, the first test only keeps addresses in
 bounds should pos be inconsistent). Row offsets are int64: B*T*C can exceed 2^31.
 
-The default backward with SiLU is ``short_conv_bwd_silu_rows_kernel`` (one pass, dy never written);
-the two-kernel backward (SiLU's derivative into dy, then dx and dweight) stays for ``fused_bwd=0``
-and for the convolution without SiLU.
+The default backward with SiLU is ``short_conv_bwd_rows_kernel`` with SILU_GRAD (one pass, dy never
+written); the two-kernel backward (SiLU's derivative into dy, then dx and dweight) stays for
+``fused_bwd=0`` and for the convolution without SiLU.
 """
 
 from __future__ import annotations
@@ -205,32 +205,15 @@ def short_conv_rows_kernel(x, w, pos, dout, out, T, C, XS, YS, OS, W: tl.constex
 
 
 @triton.jit
-def _dx_dweight_rows(gs, xs, ps, taps, dw, tap_rows, dx, row0, start, c, c_in, T, DXS, W: tl.constexpr,
-                     R: tl.constexpr):
-    """A step of R rows from ``start``: its rows of dx (rows DXS apart) stored, and dw (row W-1-j: tap j's
-    sum) returned with the step's dweight terms added; gs holds dy from the step's first row to W - 1
-    past its last, xs x from W - 1 before it, ps the positions of gs's rows."""
-    for j in tl.static_range(W):
-        tap_sum = tl.zeros_like(taps[0])
-        for r in tl.static_range(R):
-            # dweight: output row t read x[t - j] through tap j when pos[t] >= j
-            tap_sum += tl.where(ps[r] >= j, gs[r] * xs[r + W - 1 - j], 0.0)
-        dw += tl.where(tap_rows[:, None] == W - 1 - j, tap_sum[None, :], 0.0)
-    for r in tl.static_range(R):
-        # dx: output row t + j read x[t] through tap j when pos[t + j] >= j
-        acc = taps[0] * gs[r]
-        for j in tl.static_range(1, W):
-            acc += tl.where(ps[r + j] >= j, taps[j] * gs[r + j], 0.0)
-        t = start + r
-        tl.store(dx + (row0 + t).to(tl.int64) * DXS + c, acc.to(dx.dtype.element_ty), mask=_row_mask(c, c_in, t, T))
-    return dw
-
-
-@triton.jit
-def short_conv_bwd_rows_kernel(x, w, pos, dy, dx, dw_part, T, C, W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr,
-                               R: tl.constexpr, BC: tl.constexpr, HAS_DOCS: tl.constexpr):
+def short_conv_bwd_rows_kernel(x, w, pos, g_in, dx, dw_part, T, C, XS, GS, DWS, W: tl.constexpr, WP: tl.constexpr,
+                               BT: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, HAS_DOCS: tl.constexpr,
+                               SILU_GRAD: tl.constexpr):
     """``short_conv_bwd_kernel``'s dx and dweight partial sums (the same [programs, W, C] layout), R rows a
-    step: dy from the step's first row to W - 1 past its last, x from W - 1 before it to its last."""
+    step, from dy for the step's first row to W - 1 past its last and x from W - 1 before it.
+    g_in is dy, or with SILU_GRAD the output gradient of y = silu(conv(x)): dy = dout * silu'(pre)
+    is then formed here (pre recomputed from x, W - 1 rows further back), so the whole backward is one
+    pass and dy never reaches memory; the W - 1 rows past a step are recomputed by the next step.
+    x's and dx's rows XS apart, g_in's GS, dw_part's [programs, W] rows DWS."""
     pid_t = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     c_in = c < C
@@ -239,38 +222,29 @@ def short_conv_bwd_rows_kernel(x, w, pos, dy, dx, dw_part, T, C, W: tl.constexpr
     tap_rows = tl.arange(0, WP)
     dw = tl.zeros([WP, BC], dtype=tl.float32)  # row W-1-j: tap j's sum over this program's rows
     for start in range(pid_t * BT, tl.minimum(pid_t * BT + BT, T), R):
-        gs = _row_tuple(dy, row0, start, R + W - 1, c, c_in, T, C)
-        xs = _row_tuple(x, row0, start - (W - 1), R + W - 1, c, c_in, T, C)
         ps = _position_tuple(pos, start, R + W - 1, T, HAS_DOCS)
-        dw = _dx_dweight_rows(gs, xs, ps, taps, dw, tap_rows, dx, row0, start, c, c_in, T, C, W, R)
-    part = dw_part + (tl.program_id(2) * tl.num_programs(0) + pid_t).to(tl.int64) * (W * C)
-    tl.store(part + tap_rows[:, None] * C + c[None, :], dw, mask=(tap_rows < W)[:, None] & c_in[None, :])
-
-
-@triton.jit
-def short_conv_bwd_silu_rows_kernel(x, w, pos, dout, dx, dw_part, T, C, XS, YS, DWS, W: tl.constexpr,
-                                    WP: tl.constexpr, BT: tl.constexpr, R: tl.constexpr, BC: tl.constexpr,
-                                    HAS_DOCS: tl.constexpr):
-    """The whole backward of y = silu(conv(x)) in one pass, R rows a step: dy = dout * silu'(pre) for
-    the step's rows and the W - 1 after them (pre recomputed from x, rows W - 1 before those), then
-    ``short_conv_bwd_rows_kernel``'s dx and dweight partial sums from it. dy never reaches memory (the
-    two-kernel backward writes it and reads it back); the W - 1 rows past a step are recomputed by the
-    next step. x's and dx's rows XS apart, dout's YS, dw_part's [programs, W] rows DWS."""
-    pid_t = tl.program_id(0)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    c_in = c < C
-    row0 = tl.program_id(2) * T
-    taps = _tap_weights(w, c, c_in, W)
-    tap_rows = tl.arange(0, WP)
-    dw = tl.zeros([WP, BC], dtype=tl.float32)  # row W-1-j: tap j's sum over this program's rows
-    for start in range(pid_t * BT, tl.minimum(pid_t * BT + BT, T), R):
-        xs = _row_tuple(x, row0, start - (W - 1), R + 2 * W - 2, c, c_in, T, XS)
-        ps = _position_tuple(pos, start, R + W - 1, T, HAS_DOCS)
-        gs = ()
-        for i in tl.static_range(R + W - 1):
-            t = start + i
-            g = tl.load(dout + (row0 + t).to(tl.int64) * YS + c, mask=_row_mask(c, c_in, t, T), other=0.0)
-            gs = gs + (_silu_grad(g.to(tl.float32), _conv_row(xs, taps, ps[i], i, W)),)
-        dw = _dx_dweight_rows(gs, xs, ps, taps, dw, tap_rows, dx, row0, start, c, c_in, T, XS, W, R)
+        if SILU_GRAD:
+            xs = _row_tuple(x, row0, start - (W - 1), R + 2 * W - 2, c, c_in, T, XS)
+            gs = ()
+            for i in tl.static_range(R + W - 1):
+                t = start + i
+                g = tl.load(g_in + (row0 + t).to(tl.int64) * GS + c, mask=_row_mask(c, c_in, t, T), other=0.0)
+                gs = gs + (_silu_grad(g.to(tl.float32), _conv_row(xs, taps, ps[i], i, W)),)
+        else:
+            xs = _row_tuple(x, row0, start - (W - 1), R + W - 1, c, c_in, T, XS)
+            gs = _row_tuple(g_in, row0, start, R + W - 1, c, c_in, T, GS)
+        for j in tl.static_range(W):
+            tap_sum = tl.zeros([BC], dtype=tl.float32)
+            for r in tl.static_range(R):
+                # dweight: output row t read x[t - j] through tap j when pos[t] >= j
+                tap_sum += tl.where(ps[r] >= j, gs[r] * xs[r + W - 1 - j], 0.0)
+            dw += tl.where(tap_rows[:, None] == W - 1 - j, tap_sum[None, :], 0.0)
+        for r in tl.static_range(R):
+            # dx: output row t + j read x[t] through tap j when pos[t + j] >= j
+            acc = taps[0] * gs[r]
+            for j in tl.static_range(1, W):
+                acc += tl.where(ps[r + j] >= j, taps[j] * gs[r + j], 0.0)
+            t = start + r
+            tl.store(dx + (row0 + t).to(tl.int64) * XS + c, acc.to(dx.dtype.element_ty), mask=_row_mask(c, c_in, t, T))
     part = dw_part + (tl.program_id(2) * tl.num_programs(0) + pid_t).to(tl.int64) * (W * DWS)
     tl.store(part + tap_rows[:, None] * DWS + c[None, :], dw, mask=(tap_rows < W)[:, None] & c_in[None, :])

@@ -253,7 +253,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "gs = gs + (g.to(tl.float32),)",
            "the one-pass backward treats the output gradient as the convolution's", ("tests/test_short_conv.py",)),
     Mutant("conv-fused-backward-reads-output-gradient-at-x-stride", CONV_KERNEL,
-           "g = tl.load(dout + (row0 + t).to(tl.int64) * YS + c", "g = tl.load(dout + (row0 + t).to(tl.int64) * XS + c",
+           "g = tl.load(g_in + (row0 + t).to(tl.int64) * GS + c", "g = tl.load(g_in + (row0 + t).to(tl.int64) * XS + c",
            "the one-pass backward reads a group's output gradient at x's row stride", ("tests/test_short_conv.py",)),
     Mutant("conv-kernel-silu-derivative", CONV_KERNEL, "return g * s * (1.0 + y * (1.0 - s))", "return g * s",
            "SiLU's derivative taken as sigmoid(y)", ("tests/test_short_conv.py",)),
