@@ -157,17 +157,17 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     moe = get_preset(args.preset).moe
     E, d, h, rows = moe.num_routed, moe.latent_dim, moe.expert_hidden, args.tokens * moe.top_k
-    gen = torch.Generator().manual_seed(0)
-    offsets = expert_offsets(balanced_counts(rows, E, gen), dev)
-    if args.stacking:
-        print(f"{args.preset} routed experts: {E} experts, {rows} rows ({args.tokens} tokens x top-{moe.top_k}), "
+    counts = balanced_counts(rows, E, torch.Generator().manual_seed(0))
+    offsets = expert_offsets(counts, dev)
+    header = (f"{args.preset} routed experts: {E} experts, {rows} rows ({args.tokens} tokens x top-{moe.top_k}), "
               f"{torch.cuda.get_device_name(dev)}; ms of GPU time per call")
+    if args.stacking:
+        print(header)
         stacking_table(E, d, h, rows, offsets, args.repeats)
         return 0
     if args.batched:
-        print(f"{args.preset} routed experts: {E} experts, {rows} rows ({args.tokens} tokens x top-{moe.top_k}), "
-              f"{torch.cuda.get_device_name(dev)}; ms of GPU time per call")
-        batched_table(E, d, h, balanced_counts(rows, E, torch.Generator().manual_seed(0)), args.repeats, dev)
+        print(header)
+        batched_table(E, d, h, counts, args.repeats, dev)
         return 0
     x = torch.randn(rows, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
     w_gate, w_in = (torch.randn(E, h, d, device=dev) * d ** -0.5 for _ in range(2))
@@ -193,8 +193,7 @@ def main(argv=None) -> int:
         f"in    [{rows}, {d}] x [{E}, {d}, {h}]": (x, w_in),
         f"out   [{rows}, {h}] x [{E}, {h}, {d}]": (hidden_in, w_out),
     }
-    print(f"{args.preset} routed experts: {E} experts, {rows} rows ({args.tokens} tokens x top-{moe.top_k}), "
-          f"{torch.cuda.get_device_name(dev)}; ms of GPU time per call")
+    print(header)
     print(f"{'GEMM':<40} {'bf16 fwd':>9} {'fp8 fwd':>9} {'x':>6} {'bf16 f+b':>9} {'fp8 f+b':>9} {'x':>6}")
     for name, (inp, w) in gemms.items():
         leaves = [inp, w]
