@@ -146,6 +146,9 @@ COMMANDS: dict[str, object] = {
     # docs/performance.md: the whole step
     **{c: NotRun("whole-step GPU measurements (a CPU step of these models takes minutes)", needs="GPU") for c in (
         "moe-lc bench k3-small-8k --steps 3 --warmup 3 --trace DIR",
+        "moe-lc bench k3-small-8k model.num_layers=8 --steps 3 --warmup 2 --profile --trace DIR",
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 2 --steps 4 --warmup 2 --variant "
+        "two_kernel=MOE_LC_SHORT_CONV_TUNING=fused_bwd=0 --variant now=",
         "moe-lc bench k3-small-8k --steps 4 --warmup 3",
         "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --variant base= --variant "
         "router=model.moe.router_backend=triton --variant conv64=MOE_LC_SHORT_CONV_TUNING=bwd_bt=64 --rounds 2 "
