@@ -135,6 +135,7 @@ def run_bench(
     if steps < 1 or warmup < 0:
         raise ConfigError(f"--steps {steps} --warmup {warmup}: time one step or more (--steps N >= 1) after zero "
                           "or more warm-up steps (--warmup W >= 0)")
+    cfg.gc.check()
     runtime = init_runtime(cfg.device, cfg.precision, cfg.threads)
     try:
         result = _bench(cfg, runtime, steps, warmup, profiled, trace_dir)
@@ -173,7 +174,7 @@ def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled
         print(f"bench: {describe_prebuild(rows, seconds)}", file=sys.stderr, flush=True)
     count = warmup + steps
     taken_steps = run_steps(state, data, range(plan.start_step, plan.start_step + count), 0, total_steps(plans),
-                            cfg.optim, runtime)
+                            cfg.optim, runtime, gc_every=cfg.gc.every)
     show = _progress(runtime.is_main)
     with contextlib.closing(taken_steps):
         for k in range(warmup):
@@ -193,7 +194,7 @@ def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled
         small_data = build_stage_data(small, cfg.data, cfg.model.vocab_size, cfg.seed, sync=runtime.rank0_first)
         first = plan.start_step + count
         profiled_steps = run_steps(state, small_data, range(first, first + PROFILER_WARMUP_STEPS + PROFILED_STEPS),
-                                   0, total_steps(plans), cfg.optim, runtime)
+                                   0, total_steps(plans), cfg.optim, runtime, gc_every=cfg.gc.every)
         with contextlib.closing(profiled_steps):
             profile_result = _profile(profiled_steps, state.model, device, show, small.grad_accum,
                                       _trace_prefix(trace_dir, runtime))
@@ -201,7 +202,7 @@ def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled
             first += PROFILER_WARMUP_STEPS + PROFILED_STEPS
             full_data = build_stage_data(plan, cfg.data, cfg.model.vocab_size, cfg.seed, sync=runtime.rank0_first)
             full_steps = run_steps(state, full_data, range(first, first + PROFILER_WARMUP_STEPS + 1), 0, total_steps(plans),
-                                   cfg.optim, runtime)
+                                   cfg.optim, runtime, gc_every=cfg.gc.every)
             with contextlib.closing(full_steps):
                 profile_result.full_step_idle_share = _full_step_idle_share(full_steps, show)
             prefix = _trace_prefix(trace_dir, runtime)
@@ -210,7 +211,7 @@ def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled
                 two = profiling_plan(plan, micro_batches=min(plan.grad_accum, 2))
                 gap_data = build_stage_data(two, cfg.data, cfg.model.vocab_size, cfg.seed, sync=runtime.rank0_first)
                 gap_steps = run_steps(state, gap_data, range(first, first + PROFILER_WARMUP_STEPS + 1), 0,
-                                      total_steps(plans), cfg.optim, runtime)
+                                      total_steps(plans), cfg.optim, runtime, gc_every=cfg.gc.every)
                 with contextlib.closing(gap_steps):
                     _write_gaps(gap_steps, show, prefix)
     result = _result(cfg, plan, runtime, timed, wall, warmup, matmul_peak, profile_result)

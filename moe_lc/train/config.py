@@ -166,6 +166,17 @@ class BadStepConfig:
 
 
 @dataclass
+class GarbageCollectionConfig:
+    """Python's garbage collector on a step schedule (`moe_lc.train.gc_schedule`): every rank collects
+    after the same steps, the automatic collector off in between."""
+
+    every: int = 0  # steps between full collections (0: Python's automatic collector, as before)
+
+    def check(self) -> None:
+        _need(self.every >= 0, f"gc.every={self.every} must be >= 0 (0: Python's automatic collector)")
+
+
+@dataclass
 class TrainConfig:
     recipe: str = "custom"  # set from `recipe=NAME` by the loader
     run_dir: str = "runs/${recipe}"
@@ -195,6 +206,7 @@ class TrainConfig:
     run_lock: RunLockConfig = field(default_factory=RunLockConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     bad_steps: BadStepConfig = field(default_factory=BadStepConfig)
+    gc: GarbageCollectionConfig = field(default_factory=GarbageCollectionConfig)
 
 
 SCHEMA_NAME = "moe_lc_train_schema"

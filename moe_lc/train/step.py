@@ -56,6 +56,7 @@ from moe_lc.parallel.context import ContextShard, shard_model_inputs, shard_row
 from moe_lc.parallel.loss_weights import TermWeights, weighted_terms
 from moe_lc.parallel.pipeline_stage import StageBatch
 from moe_lc.train.bad_steps import skips_on_device, step_if_finite, update_biases_if_finite
+from moe_lc.train.gc_schedule import StepScheduledCollection
 from moe_lc.train.curriculum import StagePlan
 from moe_lc.train.data import StageData
 from moe_lc.train.model_setup import ModelState
@@ -386,11 +387,14 @@ def run_steps(
     runtime: Runtime,
     stop_requested: Callable[[], bool] = lambda: False,
     skipped_batches: Collection[int] = (),
+    gc_every: int = 0,
 ) -> Iterator[TakenStep]:
     """Global steps `steps` of `data`'s stage, the first starting at `consumed` sequences.
 
     skipped_batches: positions (sequences consumed) of batches never to train on (a loss spike's,
     after a rollback): the steps take the batches after them.
+    gc_every: Python's garbage collector runs after every `gc_every`-th of these steps, inside its
+    time, and not automatically in between (`moe_lc.train.gc_schedule`); 0 leaves it automatic.
 
     A background thread prepares each step's micro-batches (pinned on a GPU) while the step
     before runs. Its only state is the position it started from, so after a resume it simply
@@ -412,8 +416,9 @@ def run_steps(
 
     timer = DeviceTimer(device)
     own_s = 0.0  # this rank's batch wait and optimizer update in the step before
-    with Prefetcher(prepare, positions, depth=PREFETCH_DEPTH) as ahead:
-        for step, position in zip(steps, positions):
+    with Prefetcher(prepare, positions, depth=PREFETCH_DEPTH) as ahead, \
+            StepScheduledCollection(gc_every) as gc_schedule:
+        for done, (step, position) in enumerate(zip(steps, positions), start=1):
             timer.start()
             waited = time.perf_counter()
             with region("data"):
@@ -423,6 +428,7 @@ def run_steps(
                 result = train_step(state, micro, step, total_steps, optim_cfg, runtime, stop_requested(), own_s)
             except torch.OutOfMemoryError:
                 raise ConfigError(out_of_memory_message(plan, step, device)) from None
+            gc_schedule.after_step(done)
             own_s = waited + result.optimizer_s
             yield TakenStep(step, position, result, timer.stop())
 

@@ -241,7 +241,8 @@ class Trainer:
         consumed = position.consumed.get(plan.name, 0)
         spent, count = 0.0, 0
         taken_steps = run_steps(state, data, steps, consumed, self.total, cfg.optim, self.runtime,
-                                stop_requested=lambda: self.stop.requested, skipped_batches=skipped_batches)
+                                stop_requested=lambda: self.stop.requested, skipped_batches=skipped_batches,
+                                gc_every=cfg.gc.every)
         with contextlib.closing(taken_steps), self.activity.doing(f"step {position.step + 1} of stage {plan.name}"):
             for taken in taken_steps:
                 result, dt = taken.result, taken.time_s
@@ -479,7 +480,7 @@ def train(cfg: TrainConfig, stream: Optional[TextIO] = None) -> RunSummary:
 
     A collective that times out or loses a rank ends the launch with `CollectiveFailure` (one line).
     """
-    for section in (cfg.run_lock, cfg.distributed, cfg.bad_steps):
+    for section in (cfg.run_lock, cfg.distributed, cfg.bad_steps, cfg.gc):
         section.check()
     runtime = init_runtime(cfg.device, cfg.precision, cfg.threads, cfg.distributed,
                            flight_recorder_dir=Path(cfg.run_dir) / FLIGHT_RECORDER_DIR)
