@@ -118,10 +118,13 @@ def test_two_data_parallel_ranks_then_one_process(tmp_path, cache, single, monke
 def test_data_parallel_then_context_parallel_at_a_stage_boundary(tmp_path, cache, single):
     """ctx256 on two data-parallel ranks, then ctx1k with cp=2: both ranks read the same rows and
     each computes its two zigzag chunks of every row (KDA's segment states, MLA's gathered latents,
-    the convolution halo, MTP's targets across the chunk edges, label counts over dp x cp)."""
+    the convolution halo, MTP's targets across the chunk edges, label counts over dp x cp). Python's
+    garbage collector runs on the step schedule here (`gc.every`): the same losses as one process."""
+
     run = tmp_path / "cp2"
     proc = _two_ranks(cache, run, "layout=dp2", "curriculum.stages.ctx1k.layout={cp: 2, dp_shard: 1}",
-                      "eval.sequences=2", "eval.passkey_documents=1")  # the stage ends evaluate under dp, then cp
+                      "eval.sequences=2", "eval.passkey_documents=1",  # the stage ends evaluate under dp, then cp
+                      "gc.every=1")  # every rank collects after every step, across the layout change too
     assert "cp=2" in proc.stdout and "eval skipped" not in proc.stdout
     evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     assert [e["stage"] for e in evals] == ["ctx256", "ctx1k"] and all(e["loss"] > 0 for e in evals)
