@@ -31,8 +31,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # ``rows``: 1 runs the row kernels (short_conv_triton.py: each program walks its BT rows ``rows_r`` at a
 # time, every row loaded once) with the same tile choices, 0 the tile kernels. ``fused_bwd``: with SiLU,
 # 1 runs the backward as one row kernel (the SiLU derivative computed where dx and dweight use it:
-# dy is never written) with its own tiles (``fused_*``), ``rows_r`` rows a step, whatever ``rows`` is. Measured on one H100 (k3-small's step at 8 of its 20 layers, two calls): -0.73%
-# and -0.67% against the two-kernel backward; the row kernels in both passes with it -0.45%
+# dy is never written) with its own tiles (``fused_*``), ``rows_r`` rows a step, whatever ``rows``
+# is. Measured on H100s (k3-small's step at 8 of its 20 layers, three calls): -0.73%, -0.67% and
+# -1.15% against the two-kernel backward; the row kernels in both passes with it -0.45%
 # (docs/performance.md §8, §12.21).
 TUNING = dict(fwd_bt=64, fwd_bc=64, fwd_warps=4, bwd_bt=128, bwd_bc=64, bwd_warps=4, rows=0, rows_r=8, fused_bwd=1,
               fused_bt=128, fused_bc=256, fused_warps=4)
@@ -48,15 +49,17 @@ def _blocks(T: int, C: int, prefix: str) -> tuple[int, int, int]:
     return bt, bc, TUNING[f"{prefix}_warps"]
 
 
-def _row_step(bt: int, enabled: Optional[bool] = None) -> Optional[int]:
-    """Rows a step of the row kernels for a program of ``bt`` rows (None: the tile kernels run);
-    ``enabled`` overrides the ``rows`` choice."""
-    if not (TUNING["rows"] if enabled is None else enabled):
-        return None
+def _rows_per_step(bt: int) -> int:
+    """Rows a step of a row kernel for a program of ``bt`` rows (``rows_r``, at most ``bt``)."""
     step = min(TUNING["rows_r"], bt)
     if step < 1 or bt % step:
         raise ValueError(f"short conv tuning: rows_r={TUNING['rows_r']} must divide the program's {bt} rows")
     return step
+
+
+def _row_step(bt: int) -> Optional[int]:
+    """Rows a step where the ``rows`` choice runs the row kernels; None where the tile kernels run."""
+    return _rows_per_step(bt) if TUNING["rows"] else None
 
 
 def _pieces(t: Tensor, pieces: int) -> list[Tensor]:
@@ -116,7 +119,7 @@ class _ShortConvFunction(torch.autograd.Function):
             for g, (xg, wg, dout) in enumerate(zip(_pieces(x, ctx.pieces), weight.split(width), douts)):
                 kt.short_conv_bwd_rows_kernel[(t_blocks, triton.cdiv(width, bc), B)](
                     xg, wg, pos_arg, dout, dx[..., g * width:], dw_part[:, :, g * width:], T, width, C, width, C, W=W,
-                    WP=triton.next_power_of_2(W), BT=bt, R=_row_step(bt, enabled=True), BC=bc, HAS_DOCS=has_docs,
+                    WP=triton.next_power_of_2(W), BT=bt, R=_rows_per_step(bt), BC=bc, HAS_DOCS=has_docs,
                     SILU_GRAD=True, num_warps=warps)
             return dx, dw_part.sum(0).t().contiguous().to(weight.dtype), None, None, None
         bt, bc, warps = _blocks(T, C, "bwd")
