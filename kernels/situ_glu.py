@@ -1,4 +1,4 @@
-"""Fused SiTU-GLU on Triton: autograd Function and launches.
+"""Fused SiTU-GLU on Triton: custom ops, their autograd and launches.
 
 Forward: one pass reads a and c and writes h (the unfused composition makes about ten elementwise
 passes, each a full read and write of the [tokens, hidden] activation). Backward: one pass reads a,
@@ -26,60 +26,106 @@ def _launch(kernel, n: int, *args, stacked: bool = False) -> None:
     kernel[(triton.cdiv(n, block),)](*args, BLOCK=block, STACKED=stacked, num_warps=TUNING["warps"])
 
 
-class _SituGluFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a: Tensor, c: Tensor, beta1: float, beta2: float) -> Tensor:
-        from moe_lc_kernels import situ_glu_triton as kt
+# The kernels as custom ops (forward and backward each one op, autograd registered on the forward):
+# a compiled region (the MoE layer's, the shared experts') keeps them in its graph as opaque calls
+# instead of breaking the graph or tracing into the launches.
 
-        h = torch.empty_like(a)
-        if a.numel():
-            _launch(kt.situ_glu_fwd_kernel, a.numel(), a, c, h, a.numel(), 1, 0, beta1, beta2)
-        ctx.save_for_backward(a, c)
-        ctx.betas = (beta1, beta2)
-        return h
+@torch.library.custom_op("moe_lc::situ_glu", mutates_args=())
+def _situ_glu(a: Tensor, c: Tensor, beta1: float, beta2: float) -> Tensor:
+    from moe_lc_kernels import situ_glu_triton as kt
 
-    @staticmethod
-    def backward(ctx, dh: Tensor):
-        from moe_lc_kernels import situ_glu_triton as kt
-
-        a, c = ctx.saved_tensors
-        dh = dh.contiguous()
-        da, dc = torch.empty_like(a), torch.empty_like(c)
-        if a.numel():
-            _launch(kt.situ_glu_bwd_kernel, a.numel(), a, c, dh, da, dc, a.numel(), 1, 0, 0, *ctx.betas)
-        return da, dc, None, None
+    h = torch.empty_like(a)
+    if a.numel():
+        _launch(kt.situ_glu_fwd_kernel, a.numel(), a, c, h, a.numel(), 1, 0, beta1, beta2)
+    return h
 
 
-class _StackedSituGluFunction(torch.autograd.Function):
-    """SiTU of the halves of each row of y [rows, 2 hidden] (rows ``y.stride(0)`` elements apart); the
-    backward writes dy in one contiguous tensor (no concatenation of da and dc for the GEMM before
-    it, which produced y as one output)."""
+@_situ_glu.register_fake
+def _(a: Tensor, c: Tensor, beta1: float, beta2: float) -> Tensor:
+    return torch.empty_like(a)
 
-    @staticmethod
-    def forward(ctx, y: Tensor, beta1: float, beta2: float) -> Tensor:
-        from moe_lc_kernels import situ_glu_triton as kt
 
-        hidden = y.shape[-1] // 2
-        h = y.new_empty(y.shape[0], hidden)
-        if h.numel():
-            _launch(kt.situ_glu_fwd_kernel, h.numel(), y, y[:, hidden:], h, h.numel(), hidden, _row_stride(y),
-                    beta1, beta2, stacked=True)
-        ctx.save_for_backward(y)
-        ctx.betas = (beta1, beta2)
-        return h
+@torch.library.custom_op("moe_lc::situ_glu_backward", mutates_args=())
+def _situ_glu_backward(a: Tensor, c: Tensor, dh: Tensor, beta1: float, beta2: float) -> tuple[Tensor, Tensor]:
+    from moe_lc_kernels import situ_glu_triton as kt
 
-    @staticmethod
-    def backward(ctx, dh: Tensor):
-        from moe_lc_kernels import situ_glu_triton as kt
+    dh = dh.contiguous()
+    da, dc = torch.empty_like(a), torch.empty_like(c)
+    if a.numel():
+        _launch(kt.situ_glu_bwd_kernel, a.numel(), a, c, dh, da, dc, a.numel(), 1, 0, 0, beta1, beta2)
+    return da, dc
 
-        y, = ctx.saved_tensors
-        hidden = y.shape[-1] // 2
-        dh = dh.contiguous()
-        dy = y.new_empty(y.shape[0], 2 * hidden)
-        if dh.numel():
-            _launch(kt.situ_glu_bwd_kernel, dh.numel(), y, y[:, hidden:], dh, dy, dy[:, hidden:], dh.numel(),
-                    hidden, _row_stride(y), 2 * hidden, *ctx.betas, stacked=True)
-        return dy, None, None
+
+@_situ_glu_backward.register_fake
+def _(a: Tensor, c: Tensor, dh: Tensor, beta1: float, beta2: float) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(a), torch.empty_like(c)
+
+
+def _situ_glu_setup(ctx, inputs, output) -> None:
+    a, c, beta1, beta2 = inputs
+    ctx.save_for_backward(a, c)  # h is recomputed by the backward kernel, never kept
+    ctx.betas = (beta1, beta2)
+
+
+def _situ_glu_grad(ctx, dh: Tensor):
+    a, c = ctx.saved_tensors
+    da, dc = _situ_glu_backward(a, c, dh, *ctx.betas)
+    return da, dc, None, None
+
+
+_situ_glu.register_autograd(_situ_glu_grad, setup_context=_situ_glu_setup)
+
+
+@torch.library.custom_op("moe_lc::situ_glu_stacked", mutates_args=())
+def _situ_glu_stacked(y: Tensor, beta1: float, beta2: float) -> Tensor:
+    """SiTU of the halves of each row of y [rows, 2 hidden] (rows ``y.stride(0)`` elements apart)."""
+    from moe_lc_kernels import situ_glu_triton as kt
+
+    hidden = y.shape[-1] // 2
+    h = y.new_empty(y.shape[0], hidden)
+    if h.numel():
+        _launch(kt.situ_glu_fwd_kernel, h.numel(), y, y[:, hidden:], h, h.numel(), hidden, _row_stride(y),
+                beta1, beta2, stacked=True)
+    return h
+
+
+@_situ_glu_stacked.register_fake
+def _(y: Tensor, beta1: float, beta2: float) -> Tensor:
+    return y.new_empty(y.shape[0], y.shape[-1] // 2)
+
+
+@torch.library.custom_op("moe_lc::situ_glu_stacked_backward", mutates_args=())
+def _situ_glu_stacked_backward(y: Tensor, dh: Tensor, beta1: float, beta2: float) -> Tensor:
+    """dy in one contiguous tensor like y (no concatenation of da and dc for the GEMM before it,
+    which produced y as one output)."""
+    from moe_lc_kernels import situ_glu_triton as kt
+
+    hidden = y.shape[-1] // 2
+    dh = dh.contiguous()
+    dy = y.new_empty(y.shape[0], 2 * hidden)
+    if dh.numel():
+        _launch(kt.situ_glu_bwd_kernel, dh.numel(), y, y[:, hidden:], dh, dy, dy[:, hidden:], dh.numel(),
+                hidden, _row_stride(y), 2 * hidden, beta1, beta2, stacked=True)
+    return dy
+
+
+@_situ_glu_stacked_backward.register_fake
+def _(y: Tensor, dh: Tensor, beta1: float, beta2: float) -> Tensor:
+    return y.new_empty(y.shape[0], y.shape[-1])
+
+
+def _situ_glu_stacked_setup(ctx, inputs, output) -> None:
+    y, beta1, beta2 = inputs
+    ctx.save_for_backward(y)
+    ctx.betas = (beta1, beta2)
+
+
+def _situ_glu_stacked_grad(ctx, dh: Tensor):
+    y, = ctx.saved_tensors
+    return _situ_glu_stacked_backward(y, dh, *ctx.betas), None, None
+
+
+_situ_glu_stacked.register_autograd(_situ_glu_stacked_grad, setup_context=_situ_glu_stacked_setup)
 
 
 def _row_stride(y: Tensor) -> int:
@@ -98,7 +144,7 @@ def situ_glu_triton(a: Tensor, c: Tensor, beta1: float = 4.0, beta2: float = 25.
                          f"{a.dtype} {a.device} and {tuple(c.shape)} {c.dtype} {c.device}")
     if a.dtype not in DTYPES:
         raise ValueError(f"situ_glu_triton: a and c must be fp32/bf16/fp16, got {a.dtype}")
-    return _SituGluFunction.apply(a.contiguous(), c.contiguous(), float(beta1), float(beta2))
+    return _situ_glu(a.contiguous(), c.contiguous(), float(beta1), float(beta2))
 
 
 def situ_glu_stacked_triton(y: Tensor, beta1: float = 4.0, beta2: float = 25.0) -> Tensor:
@@ -110,5 +156,11 @@ def situ_glu_stacked_triton(y: Tensor, beta1: float = 4.0, beta2: float = 25.0) 
     rows = y.reshape(-1, y.shape[-1])  # a view for a contiguous y or a 2-D one with strided rows
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    h = _StackedSituGluFunction.apply(rows, float(beta1), float(beta2))
+    h = _situ_glu_stacked(rows, float(beta1), float(beta2))
     return h.view(*y.shape[:-1], y.shape[-1] // 2)
+
+
+def situ_glu_stacked_backward_triton(y: Tensor, dh: Tensor, beta1: float = 4.0, beta2: float = 25.0) -> Tensor:
+    """The gradient of ``situ_glu_stacked_triton`` with respect to y [rows, 2 hidden] for dh [rows, hidden],
+    contiguous like y: for callers that keep y themselves (the routed experts' custom op)."""
+    return _situ_glu_stacked_backward(y, dh, float(beta1), float(beta2))

@@ -116,6 +116,73 @@ def _moe_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if type(m).__name__ == "LatentMoE"}
 
 
+def _grouped_mm_runs_here() -> bool:
+    try:
+        torch._grouped_mm(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(1, 8, 8, dtype=torch.bfloat16),
+                          offs=torch.tensor([2], dtype=torch.int32))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _expert_calls(model: nn.Module, ids: torch.Tensor, monkeypatch) -> tuple[torch.Tensor, dict, int]:
+    """One step of two micro-batches under bf16 autocast on the step's weight copies (training as the
+    trainer runs it): the loss of the last, the fp32 gradients, and how often the routed experts' op
+    computed its forward (its activation, counted where the op's own code calls it)."""
+    import moe_lc.ops.grouped_experts as grouped_experts
+    from moe_lc.model.moe import reuse_weight_casts
+
+    calls = []
+    activation = grouped_experts.glu_activation_stacked
+    monkeypatch.setattr(grouped_experts, "glu_activation_stacked", lambda *a, **k: calls.append(1) or activation(*a, **k))
+    model.zero_grad(set_to_none=True)
+    with reuse_weight_casts(model), torch.autocast("cpu", dtype=torch.bfloat16):
+        for micro_batch in ids:
+            out = model(micro_batch[:, :-1], labels=micro_batch[:, 1:], return_logits=False)
+            out.loss.backward()
+    monkeypatch.undo()
+    return out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}, len(calls)
+
+
+@needs_cxx
+@pytest.mark.skipif(not _grouped_mm_runs_here(), reason="torch._grouped_mm does not take bf16 on CPU here")
+@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
+def test_a_training_moe_layer_is_one_graph_with_its_experts(checkpointing, monkeypatch):
+    """Training (bf16 autocast, the step's stacked weight copies, the grouped GEMM): the routed experts
+    (one custom op) and the shared experts run inside the layer's graph, so a forward is one graph
+    with no break; the step's copies are made before the graph. Same loss and gradients as eager
+    within bf16 rounding: Inductor rounds once where eager rounds twice (the shared experts' output
+    projection and the sum with the routed part become one GEMM with the add in its epilogue), about
+    one bf16 rounding in the layer's output, so the bound is 8 bf16 unit roundoffs of the largest
+    gradient, as the stacked experts' own test; a wrong expert gradient is O(1). Selective
+    checkpointing keeps the experts' op output: it runs once per layer and micro-batch, not again
+    in the recompute."""
+    torch._dynamo.reset()
+    cfg = tiny(num_layers=3, layer_pattern="KKM")
+    eager, compiled = build_model(cfg, device="cpu", seed=0), build_model(cfg, device="cpu", seed=0)
+    for model in (eager, compiled):
+        for experts in (m for m in model.modules() if type(m).__name__ == "RoutedExperts"):
+            experts.backend = "grouped"  # auto takes the loop on a CPU
+    names = apply_compile(compiled, RegionalCompile(enabled=True, targets=["moe"]))
+    for model in (eager, compiled):
+        apply_activation_checkpointing(model, ActivationCheckpointing(mode=checkpointing))
+    assert compiled_modules(compiled) == names == list(_moe_layers(compiled))
+    ids = torch.randint(0, cfg.vocab_size, (2, 2, 65), generator=torch.Generator().manual_seed(3))
+    torch._dynamo.utils.counters.clear()
+    loss_e, grads_e, calls_e = _expert_calls(eager, ids, monkeypatch)
+    loss_c, grads_c, calls_c = _expert_calls(compiled, ids, monkeypatch)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    forward_graphs = 1 if checkpointing == "none" else 2  # a recompute (no statistics counted) is a graph of its own
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == forward_graphs  # both layers share it
+    kept = checkpointing != "full"
+    assert calls_c == calls_e == len(names) * len(ids) * (1 if kept else 2)
+    bf16_unit = 2.0 ** -8
+    assert abs(loss_c - loss_e) <= 8 * bf16_unit * abs(loss_e)
+    for name, g in grads_e.items():
+        assert (grads_c[name] - g).abs().max().item() <= 8 * bf16_unit * g.abs().max().item(), name
+    torch._dynamo.reset()
+
+
 @needs_cxx
 @pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
 def test_a_compiled_moe_layer_routes_balances_and_combines_as_the_eager_one_and_compiles_once(checkpointing):

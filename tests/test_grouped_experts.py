@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
 from moe_lc.config import MoEConfig  # noqa: E402
 from moe_lc.model.moe import LatentMoE  # noqa: E402
 from moe_lc.ops.token_permutation import combine_by_token, sort_by_expert  # noqa: E402
-from moe_lc.ops.grouped_experts import autocast_operands, grouped_glu, resolve_backend  # noqa: E402
+from moe_lc.ops.grouped_experts import autocast_operands, expert_offsets, grouped_glu, resolve_backend  # noqa: E402
 from moe_lc_kernels import triton_available  # noqa: E402
 
 F64 = torch.float64
@@ -339,6 +339,27 @@ def test_a_step_stacks_gate_and_input_weights_into_one_grouped_gemm(activation_b
             assert g.dtype == w.dtype and g.shape == w.shape, name
             assert torch.allclose(g, w, rtol=0, atol=8 * 2**-8 * w.abs().max().item()), name
     assert all(g.dtype == torch.float32 and g.is_contiguous() for g in stacked[2])
+
+
+@needs_grouped_mm
+@needs_triton
+def test_the_stacked_experts_are_a_custom_op_whose_fake_and_autograd_agree_with_it():
+    """torch.library's checks of the stacked experts' op and its backward (what a compiled MoE layer
+    plans with): schema, fake kernels with the real outputs' shapes and strides, autograd registered,
+    on bf16 operands with empty experts. (The fused SiTU kernel: the reference activation's backward
+    inside the op is a torch.func vjp, whose wrapped tensors opcheck's schema check cannot read.)"""
+    gen = torch.Generator().manual_seed(5)
+    experts, hidden, width = len(COUNTS), 16, 8
+    x = torch.randn(sum(COUNTS), width, generator=gen).bfloat16().requires_grad_(True)
+    w_gate_in = torch.randn(experts, 2 * hidden, width, generator=gen).bfloat16().requires_grad_(True)
+    w_out = torch.randn(experts, width, hidden, generator=gen).bfloat16().requires_grad_(True)
+    offsets = expert_offsets(COUNTS, torch.device("cpu"))
+    settings = ("situ", B1, B2, "triton")
+    torch.library.opcheck(torch.ops.moe_lc.grouped_glu_stacked.default, (x, offsets, w_gate_in, w_out, *settings))
+    out, y, h = torch.ops.moe_lc.grouped_glu_stacked(x.detach(), offsets, w_gate_in.detach(), w_out.detach(), *settings)
+    torch.library.opcheck(torch.ops.moe_lc.grouped_glu_stacked_backward.default,
+                          (torch.randn_like(out), x.detach(), offsets, w_gate_in.detach(), w_out.detach(), y, h,
+                           *settings))
 
 
 # ----------------------------------------------------------------------------- on a GPU

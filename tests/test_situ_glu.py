@@ -202,3 +202,16 @@ def test_dispatch_choices_and_errors():
         situ_glu(a, a, backend="cuda")
     with pytest.raises(ValueError, match="unknown GLU activation"):
         glu_activation(a, a, "gelu", B1, B2)
+
+
+def test_the_kernels_are_custom_ops_whose_fake_and_autograd_agree_with_them():
+    """torch.library's checks of the four ops: schema (nothing mutated, no output aliasing an input),
+    fake kernels with the real outputs' shapes, dtypes and strides (what a compiled graph plans
+    with), and autograd registered on the forward ops."""
+    a, c, dh = (t.float().requires_grad_(i < 2) for i, t in enumerate(inputs(torch.float32, shape=(8, 12))))
+    y = torch.cat([a, c], dim=-1).detach().requires_grad_(True)
+    ops = torch.ops.moe_lc
+    torch.library.opcheck(ops.situ_glu.default, (a, c, B1, B2))
+    torch.library.opcheck(ops.situ_glu_backward.default, (a.detach(), c.detach(), dh, B1, B2))
+    torch.library.opcheck(ops.situ_glu_stacked.default, (y, B1, B2))
+    torch.library.opcheck(ops.situ_glu_stacked_backward.default, (y.detach(), dh, B1, B2))

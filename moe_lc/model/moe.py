@@ -70,6 +70,11 @@ class RoutedExperts(nn.Module):
             return grouped_glu_stacked(x_sorted.to(stacked[0].dtype), tokens_per_expert, *stacked, self.activation,
                                        self.beta1, self.beta2, activation_backend=self.activation_backend,
                                        grad_targets=targets)
+        return self.unstacked(x_sorted, tokens_per_expert)
+
+    def unstacked(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """The experts on their three weights as ``compute_weights`` gives them (no step copies to stack:
+        evaluation, fp32 or float8 runs, the CPU reference)."""
         return grouped_glu(
             x_sorted, tokens_per_expert, *self.compute_weights(x_sorted), self.activation, self.beta1,
             self.beta2, backend=self.backend, activation_backend=self.activation_backend,

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from moe_lc.ops.backend_choice import choose_backend, triton_device_reason
-from moe_lc.ops.situ_glu import glu_activation, glu_activation_stacked
+from moe_lc.ops.situ_glu import glu_activation, glu_activation_stacked, glu_activation_stacked_backward
 
 __all__ = ["grouped_glu", "grouped_glu_stacked", "grouped_glu_reference", "grouped_glu_mm", "expert_offsets",
            "resolve_backend", "resolve_wgrad_backend", "grouped_unsupported_reason", "autocast_operands"]
@@ -214,8 +214,66 @@ def grouped_glu_stacked(
         gate_in_targets, out_targets = grad_targets
         y = _GroupedLinearSummingWeightGrads.apply(x_sorted.contiguous(), w_gate_in, offsets, gate_in_targets)
         return _GroupedLinearSummingWeightGrads.apply(act(y), w_out, offsets, out_targets)
-    y = torch._grouped_mm(x_sorted.contiguous(), w_gate_in.transpose(-2, -1), offs=offsets)
-    return torch._grouped_mm(act(y), w_out.transpose(-2, -1), offs=offsets)
+    out, _, _ = _grouped_glu_stacked(x_sorted.contiguous(), offsets, w_gate_in, w_out, activation, float(beta1),
+                                     float(beta2), activation_backend)
+    return out
+
+
+# The stacked experts as one custom op, forward and backward: a compiled MoE layer keeps them in its
+# graph as one opaque call (Dynamo does not trace the grouped GEMMs, whose fake kernels take bf16
+# only, nor the launches), and selective checkpointing sees one op whose outputs it keeps.
+
+@torch.library.custom_op("moe_lc::grouped_glu_stacked", mutates_args=())
+def _grouped_glu_stacked(x: Tensor, offsets: Tensor, w_gate_in: Tensor, w_out: Tensor, activation: str,
+                         beta1: float, beta2: float, activation_backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, y, h): y = x W_gate_in^T per expert, h = act(y), out = h W_out^T; y and h are what the
+    backward reads (what autograd would keep for the two GEMMs and the activation)."""
+    y = torch._grouped_mm(x, w_gate_in.transpose(-2, -1), offs=offsets)
+    h = glu_activation_stacked(y, activation, beta1, beta2, activation_backend)
+    return torch._grouped_mm(h, w_out.transpose(-2, -1), offs=offsets), y, h
+
+
+@_grouped_glu_stacked.register_fake
+def _(x: Tensor, offsets: Tensor, w_gate_in: Tensor, w_out: Tensor, activation: str, beta1: float, beta2: float,
+      activation_backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    rows, double_hidden = x.shape[0], w_gate_in.shape[1]
+    return (x.new_empty(rows, w_out.shape[1]), x.new_empty(rows, double_hidden), x.new_empty(rows, double_hidden // 2))
+
+
+@torch.library.custom_op("moe_lc::grouped_glu_stacked_backward", mutates_args=())
+def _grouped_glu_stacked_backward(dout: Tensor, x: Tensor, offsets: Tensor, w_gate_in: Tensor, w_out: Tensor,
+                                  y: Tensor, h: Tensor, activation: str, beta1: float, beta2: float,
+                                  activation_backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dW_gate_in, dW_out), the weight gradients in the weights' own [E, rows, cols] layout."""
+    dout = dout.contiguous()
+    dh = torch._grouped_mm(dout, w_out, offs=offsets)
+    dw_out = torch._grouped_mm(dout.t(), h, offs=offsets)
+    dy = glu_activation_stacked_backward(y, dh, activation, beta1, beta2, activation_backend)
+    dx = torch._grouped_mm(dy, w_gate_in, offs=offsets)
+    dw_gate_in = torch._grouped_mm(dy.t(), x, offs=offsets)
+    return dx, dw_gate_in, dw_out
+
+
+@_grouped_glu_stacked_backward.register_fake
+def _(dout: Tensor, x: Tensor, offsets: Tensor, w_gate_in: Tensor, w_out: Tensor, y: Tensor, h: Tensor,
+      activation: str, beta1: float, beta2: float, activation_backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(x), torch.empty_like(w_gate_in), torch.empty_like(w_out)
+
+
+def _grouped_glu_stacked_setup(ctx, inputs, output) -> None:
+    x, offsets, w_gate_in, w_out, *settings = inputs
+    _, y, h = output
+    ctx.save_for_backward(x, offsets, w_gate_in, w_out, y, h)
+    ctx.settings = settings
+    ctx.mark_non_differentiable(y, h)
+
+
+def _grouped_glu_stacked_grad(ctx, dout: Tensor, _dy: Optional[Tensor], _dh: Optional[Tensor]):
+    dx, dw_gate_in, dw_out = _grouped_glu_stacked_backward(dout, *ctx.saved_tensors, *ctx.settings)
+    return dx, None, dw_gate_in, dw_out, None, None, None, None
+
+
+_grouped_glu_stacked.register_autograd(_grouped_glu_stacked_grad, setup_context=_grouped_glu_stacked_setup)
 
 
 def _sum_into_grads(weights: tuple[Tensor, ...], dy: Tensor, x: Tensor, offsets: Tensor) -> None:

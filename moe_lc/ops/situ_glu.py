@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moe_lc.ops.backend_choice import choose_backend, triton_device_reason
-from moe_lc_kernels.situ_glu import situ_glu_stacked_triton, situ_glu_triton
+from moe_lc_kernels.situ_glu import situ_glu_stacked_backward_triton, situ_glu_stacked_triton, situ_glu_triton
 
 __all__ = ["situ_glu_reference", "situ_glu", "swiglu", "glu_activation", "glu_activation_stacked",
+           "glu_activation_stacked_backward",
            "resolve_backend", "triton_unsupported_reason"]
 
 ACTIVATIONS = ("situ", "swiglu")
@@ -82,3 +83,17 @@ def glu_activation_stacked(y: Tensor, kind: str, beta1: float, beta2: float, bac
     if kind == "situ" and resolve_backend(a, c, backend) == "triton":
         return situ_glu_stacked_triton(y, beta1, beta2)
     return glu_activation(a, c, kind, beta1, beta2, backend)
+
+
+def glu_activation_stacked_backward(y: Tensor, dh: Tensor, kind: str, beta1: float, beta2: float,
+                                    backend: str = "auto") -> Tensor:
+    """dy of ``glu_activation_stacked(y, ...)`` for its output gradient dh, for a caller that keeps y
+    and runs its own backward: the fused SiTU backward kernel where the forward ran it, else the
+    vector-Jacobian product of the same path."""
+    if kind == "situ" and resolve_backend(*y.chunk(2, dim=-1), backend) == "triton":
+        return situ_glu_stacked_backward_triton(y, dh, beta1, beta2)
+    # torch.func's vjp, not autograd: it also differentiates inside a custom op's implementation, which
+    # runs below autograd
+    _, vjp = torch.func.vjp(lambda t: glu_activation_stacked(t, kind, beta1, beta2, backend), y)
+    dy, = vjp(dh)
+    return dy.contiguous()

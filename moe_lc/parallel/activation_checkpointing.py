@@ -98,13 +98,14 @@ def _ops(*names: str) -> frozenset:
     return frozenset(found)
 
 
-# Ops whose outputs selective checkpointing keeps: matrix products and attention.
+# Ops whose outputs selective checkpointing keeps: matrix products (the routed experts' too) and attention.
 SAVED_OPS = _ops(
     "mm", "addmm", "bmm", "baddbmm", "_grouped_mm",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
     "_flash_attention_forward", "_efficient_attention_forward",
-) | frozenset(op for op in [getattr(torch.ops.higher_order, "flex_attention", None)] if op is not None)
+) | frozenset(op for op in [getattr(torch.ops.higher_order, "flex_attention", None)] if op is not None) | frozenset(
+    [torch.ops.moe_lc.grouped_glu_stacked.default])  # the routed experts' GEMMs and SiTU, one custom op
 
 
 def offload_saved_tensors() -> torch.autograd.graph.saved_tensors_hooks:

@@ -18,14 +18,19 @@ Targets (``compile.targets``):
   reference (``attn_res.backend=torch``);
 - ``float8``: every torchao float8 linear (``precision=fp8``): eager float8 runs its amax, scale and
   cast as separate kernels around each GEMM, which compiling fuses.
-- ``moe``: every LatentMoE layer's glue around its experts: the router, Quantile Balancing's
-  selection and histogram, the latent projections, the sort by expert, the gather and the
-  weighted combine. Measured on one H200 (k3-small, 8K), this glue took ~2x its kernel time on
-  the host, in a step whose GPU waited for the host 31% of the time. The routed and the shared
-  experts' calls stay out of the graph (their grouped GEMM and fused GLU kernels are single
-  launches already): each is one graph break, by design. Shapes do not depend on the routing
-  (tokens x top-k rows, sorted on the device), so a layer compiles once per sequence length.
-  Left out where expert parallelism replaced the dispatch (its all-to-alls stay eager).
+- ``moe``: every LatentMoE layer whole: the router, Quantile Balancing's selection and histogram,
+  the latent projections, the sort by expert, the gather, the routed and shared experts (their
+  grouped GEMMs and the fused SiTU as opaque calls) and the weighted combine: one graph a forward.
+  Measured on one H200 (k3-small, 8K), this glue took ~2x its kernel time on the host, in a step
+  whose GPU waited for the host 31% of the time; with the experts as graph breaks the layer was
+  three graphs, and the GPU's longest waits in the forward were at their entries (docs/performance.md
+  §12.22). The step's bf16 copies of the expert weights are made before the graph is entered
+  (``RoutedExperts.stacked_step_weights``, eagerly: their backward adds into the fp32 ``.grad``),
+  so the graph only reads them. Where the experts' path cannot be traced (``moe.wgrad_backend``
+  on Triton, whose backward writes ``.grad`` itself; float8 experts) they stay out of the graph as
+  one graph break each. Shapes do not depend on the routing (tokens x top-k rows, sorted on the
+  device), so a layer compiles once per sequence length. Left out where expert parallelism
+  replaced the dispatch (its all-to-alls stay eager).
 
 Each module is compiled on first call for the shapes it sees (a new sequence length compiles
 again, once). Not combined with tensor parallelism yet (the norms would see DTensors).
@@ -43,6 +48,7 @@ from moe_lc.config import ConfigError
 from moe_lc.model.attn_res import DepthMixer
 from moe_lc.model.moe import LatentMoE
 from moe_lc.model.norm import RMSNorm
+from moe_lc.ops.grouped_experts import resolve_wgrad_backend
 from moe_lc.parallel.layout import Choice, parse_choice
 
 
@@ -140,10 +146,38 @@ def apply_compile(model: nn.Module, policy: RegionalCompile, tp: int = 1, world_
     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
     for name in names:
         module = model.get_submodule(name)
+        if isinstance(module, LatentMoE) and _experts_traceable(module):
+            _compile_whole_moe_layer(module)
+            continue
         if isinstance(module, LatentMoE):
             _keep_experts_out_of_the_graph(module)
         module.compile()
     return names
+
+
+def _experts_traceable(moe: LatentMoE) -> bool:
+    """Whether the routed experts can run inside the layer's graph: not where their backward sums the
+    weight gradients into ``.grad`` itself (``wgrad_backend`` on Triton) or runs float8 GEMMs."""
+    experts = moe.experts
+    device = experts.w_gate.device
+    return experts.backend != "float8" and resolve_wgrad_backend(device, experts.wgrad_backend) != "triton"
+
+
+def _compile_whole_moe_layer(moe: LatentMoE) -> None:
+    """One graph for the layer's forward. The step's weight copies (an autograd Function whose
+    backward adds into the fp32 ``.grad``, a side effect Dynamo must not trace) are made eagerly
+    before the graph, which then only looks them up."""
+    # Only the stacked step copies' path runs in the graph; the other (evaluation, fp32 weights, the
+    # CPU reference, whose loop reads the counts back) stays eager, one graph break.
+    moe.experts.unstacked = torch.compiler.disable(moe.experts.unstacked, recursive=True)
+    compiled = torch.compile(moe.forward)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        moe.experts.stacked_step_weights(x)
+        return compiled(x)
+
+    forward.compiled_region = compiled
+    moe.forward = forward
 
 
 def _keep_experts_out_of_the_graph(moe: LatentMoE) -> None:
@@ -158,4 +192,5 @@ def _keep_experts_out_of_the_graph(moe: LatentMoE) -> None:
 
 def compiled_modules(model: nn.Module) -> list[str]:
     """Paths of the modules of ``model`` that ``apply_compile`` compiled (what a run reports)."""
-    return [name for name, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    return [name for name, m in model.named_modules()
+            if getattr(m, "_compiled_call_impl", None) is not None or hasattr(vars(m).get("forward"), "compiled_region")]
