@@ -147,6 +147,10 @@ COMMANDS: dict[str, object] = {
     **{c: NotRun("whole-step GPU measurements (a CPU step of these models takes minutes)", needs="GPU") for c in (
         "moe-lc bench k3-small-8k --steps 3 --warmup 3 --trace DIR",
         "moe-lc bench k3-small-8k model.num_layers=8 --steps 3 --warmup 2 --profile --trace DIR",
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 1 --steps 4 --warmup 2 --profile "
+        "--variant before=@.base --variant onegraph=",
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 1 --steps 4 --warmup 2 --variant "
+        "onegraph= --variant before=@.base --variant cppw=TORCHINDUCTOR_CPP_WRAPPER=1",
         "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 1 --steps 4 --warmup 2 --variant auto= "
         "--variant scheduled=gc.every=50",
         "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 2 --steps 4 --warmup 2 --variant "

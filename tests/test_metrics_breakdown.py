@@ -1,5 +1,6 @@
 """The per-component breakdown charges forward and backward work to the module that did it."""
 
+import shutil
 import time
 
 import pytest
@@ -81,6 +82,37 @@ def test_compiled_modules_keep_their_ranges():
     ranges = [e for e in events if e.name == "moe_lc::attn_res"]
     assert len(ranges) == len(mixers), (len(ranges), len(mixers))
     assert breakdown(events, device=False).get("attn_res", 0.0) > 0.0
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not shutil.which("g++") and not shutil.which("clang++"), reason="Inductor's CPU backend needs a C++ compiler")
+def test_a_compiled_moe_layers_weight_copies_are_the_experts():
+    """A compiled MoE layer makes the step's copies of the experts' weights before entering its graph,
+    outside the experts' own call: they (and their backward, which adds into the fp32 gradients) are
+    still charged to the experts, not to the router and dispatch around them."""
+    from moe_lc.model.moe import reuse_weight_casts
+    from moe_lc.parallel.compile import RegionalCompile, apply_compile
+
+    torch._dynamo.reset()
+    cfg = get_preset("tiny")
+    model = build_model(cfg, device=torch.device("cpu"), seed=0, dtype=torch.float32)
+    for experts in (m for m in model.modules() if type(m).__name__ == "RoutedExperts"):
+        experts.backend = "grouped"  # the stacked copies are made for the grouped GEMM
+    apply_compile(model, RegionalCompile(enabled=True, targets=["moe"]))
+    ids = torch.randint(0, cfg.vocab_size, (2, 64))
+
+    def step():
+        with reuse_weight_casts(model), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(ids, labels=ids, return_logits=False).loss.backward()
+
+    with component_ranges(model):
+        step()  # the compiles
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+    table = kernels_by_component(prof.events(), device=False)
+    casts = {"_StackedCastAccumulatingInFp32", "_StackedCastAccumulatingInFp32Backward"}
+    assert casts <= set(table["experts"]), sorted(table["experts"])
+    assert not casts & set(table.get("router_dispatch", {}))
     torch._dynamo.reset()
 
 

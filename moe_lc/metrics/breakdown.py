@@ -131,6 +131,9 @@ def component_ranges(model: nn.Module) -> Iterator[None]:
             continue
         handles.append(module.register_forward_pre_hook(enter(name, id(module))))
         handles.append(module.register_forward_hook(leave(id(module))))
+        if name == "experts" and isinstance(module, RoutedExperts):
+            # a compiled MoE layer makes the step's weight copies before its graph, outside this module's call
+            _charge_calls(module, "prepare_step_weights", name, undo)
         if name == "shared_experts":
             # LatentMoE stacks their input projection into its own GEMM (router_dispatch) and calls
             # ``from_gate_in`` for the rest, which the module's hooks do not see

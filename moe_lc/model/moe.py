@@ -109,6 +109,11 @@ class RoutedExperts(nn.Module):
             self.step_casts[key] = (stacked, w_out) if grouped else None  # None: not again this step
         return self.step_casts[key]
 
+    def prepare_step_weights(self, x: torch.Tensor) -> None:
+        """Make this step's stacked copies now, if the step reuses them (``stacked_step_weights``): what a
+        compiled MoE layer calls before entering its graph, which then only looks them up."""
+        self.stacked_step_weights(x)
+
     def _step_cast_dtype(self, x: torch.Tensor) -> Optional[torch.dtype]:
         """Autocast's dtype where this step's weight copies are reused (``reuse_weight_casts``, grad and
         autocast on, plain fp32 parameters, not float8), else None."""

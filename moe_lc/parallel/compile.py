@@ -25,7 +25,7 @@ Targets (``compile.targets``):
   whose GPU waited for the host 31% of the time; with the experts as graph breaks the layer was
   three graphs, and the GPU's longest waits in the forward were at their entries (docs/performance.md
   §12.22). The step's bf16 copies of the expert weights are made before the graph is entered
-  (``RoutedExperts.stacked_step_weights``, eagerly: their backward adds into the fp32 ``.grad``),
+  (``RoutedExperts.prepare_step_weights``, eagerly: their backward adds into the fp32 ``.grad``),
   so the graph only reads them. Where the experts' path cannot be traced (``moe.wgrad_backend``
   on Triton, whose backward writes ``.grad`` itself; float8 experts) they stay out of the graph as
   one graph break each. Shapes do not depend on the routing (tokens x top-k rows, sorted on the
@@ -173,7 +173,7 @@ def _compile_whole_moe_layer(moe: LatentMoE) -> None:
     compiled = torch.compile(moe.forward)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        moe.experts.stacked_step_weights(x)
+        moe.experts.prepare_step_weights(x)
         return compiled(x)
 
     forward.compiled_region = compiled

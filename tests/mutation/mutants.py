@@ -479,7 +479,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "    [torch.ops.moe_lc.grouped_glu_stacked.default])", "    [])",
            "selective checkpointing recomputes the routed experts' GEMMs", tests=("tests/test_compile.py",)),
     Mutant("compiled-moe-casts-inside-the-graph", "moe_lc/parallel/compile.py",
-           "        moe.experts.stacked_step_weights(x)\n", "",
+           "        moe.experts.prepare_step_weights(x)\n", "",
            "the step's weight copies left to the compiled graph, which cannot trace their backward",
            tests=("tests/test_compile.py",)),
     # -- initialisation
