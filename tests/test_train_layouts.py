@@ -120,7 +120,6 @@ def test_data_parallel_then_context_parallel_at_a_stage_boundary(tmp_path, cache
     each computes its two zigzag chunks of every row (KDA's segment states, MLA's gathered latents,
     the convolution halo, MTP's targets across the chunk edges, label counts over dp x cp). Python's
     garbage collector runs on the step schedule here (`gc.every`): the same losses as one process."""
-
     run = tmp_path / "cp2"
     proc = _two_ranks(cache, run, "layout=dp2", "curriculum.stages.ctx1k.layout={cp: 2, dp_shard: 1}",
                       "eval.sequences=2", "eval.passkey_documents=1",  # the stage ends evaluate under dp, then cp

@@ -207,10 +207,10 @@ def grouped_glu_stacked(
     reason = grouped_unsupported_reason(x_sorted, w_gate_in[:, :hidden], w_gate_in[:, hidden:], w_out)
     if reason is not None:
         raise ValueError(f"grouped_glu_stacked: {reason}")
-    act = functools.partial(glu_activation_stacked, kind=activation, beta1=beta1, beta2=beta2,
-                            backend=activation_backend)
     offsets = expert_offsets(counts, x_sorted.device)
     if grad_targets is not None:
+        act = functools.partial(glu_activation_stacked, kind=activation, beta1=beta1, beta2=beta2,
+                                backend=activation_backend)
         gate_in_targets, out_targets = grad_targets
         y = _GroupedLinearSummingWeightGrads.apply(x_sorted.contiguous(), w_gate_in, offsets, gate_in_targets)
         return _GroupedLinearSummingWeightGrads.apply(act(y), w_out, offsets, out_targets)

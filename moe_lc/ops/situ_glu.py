@@ -80,9 +80,15 @@ def glu_activation_stacked(y: Tensor, kind: str, beta1: float, beta2: float, bac
     gate and input weights stacked): the same math as ``glu_activation``; the fused SiTU kernel reads
     both halves in place and writes their gradients into one tensor like y."""
     a, c = y.chunk(2, dim=-1)
-    if kind == "situ" and resolve_backend(a, c, backend) == "triton":
+    if _stacked_kernel_runs(a, c, kind, backend):
         return situ_glu_stacked_triton(y, beta1, beta2)
     return glu_activation(a, c, kind, beta1, beta2, backend)
+
+
+def _stacked_kernel_runs(a: Tensor, c: Tensor, kind: str, backend: str) -> bool:
+    """Whether the stacked activation runs the fused SiTU kernel: one decision for its forward and
+    the backward of a caller that keeps y (``glu_activation_stacked_backward``)."""
+    return kind == "situ" and resolve_backend(a, c, backend) == "triton"
 
 
 def glu_activation_stacked_backward(y: Tensor, dh: Tensor, kind: str, beta1: float, beta2: float,
@@ -90,7 +96,7 @@ def glu_activation_stacked_backward(y: Tensor, dh: Tensor, kind: str, beta1: flo
     """dy of ``glu_activation_stacked(y, ...)`` for its output gradient dh, for a caller that keeps y
     and runs its own backward: the fused SiTU backward kernel where the forward ran it, else the
     vector-Jacobian product of the same path."""
-    if kind == "situ" and resolve_backend(*y.chunk(2, dim=-1), backend) == "triton":
+    if _stacked_kernel_runs(*y.chunk(2, dim=-1), kind, backend):
         return situ_glu_stacked_backward_triton(y, dh, beta1, beta2)
     # torch.func's vjp, not autograd: it also differentiates inside a custom op's implementation, which
     # runs below autograd
