@@ -422,3 +422,142 @@ def depth_mixture_bwd_resident_kernel(srcs, dsrcs, seeds, grad, w, a_in, r_in, p
     tl.store(part + own + cols, query_sum, mask=col_in)
     if NORM:
         tl.store(part2 + own + cols, gain_sum, mask=col_in)
+
+
+# The stacked kernels: the resident kernels' work with every row statistic of a pass in one reduction
+# across the warps. A row is a [NW, CW] tile (warp k holds columns k CW to (k + 1) CW): each statistic
+# is first summed within the warps (shuffles only), written into its own column of a [NW, CW] tile of
+# statistics, and all of them cross the warps together, in one exchange through shared memory. The
+# resident kernels reduce each statistic across the warps on its own, each with its barriers: 2S + 1
+# exchanges a row forward and as many backward, in a chain, for a row that moves only S + 1 (forward)
+# or 3S + 1 (backward) rows of memory. One row a program at a time; programs stride over the rows.
+
+
+@triton.jit
+def _row_tile(NW: tl.constexpr, CW: tl.constexpr, D):
+    """Column offsets of a row as a [NW, CW] tile, and which of them exist."""
+    offs = tl.arange(0, NW)[:, None] * CW + tl.arange(0, CW)[None, :]
+    return offs, offs < D
+
+
+@triton.jit
+def _stack_stat(stats, value, slot: tl.constexpr, CW: tl.constexpr):
+    """``value`` ([NW, CW]) summed within each warp's columns, into column ``slot`` of ``stats``."""
+    slots = tl.arange(0, CW)[None, :]
+    return tl.where(slots == slot, tl.sum(value, axis=1)[:, None], stats)
+
+
+@triton.jit
+def _stat(totals, slot: tl.constexpr, CW: tl.constexpr):
+    """Statistic ``slot`` of the row, from the statistics summed across the warps ([CW])."""
+    return tl.sum(tl.where(tl.arange(0, CW) == slot, totals, 0.0))
+
+
+@triton.jit
+def _mixed_row(vs, a, S: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """h^ of a row (scalar weights a_i): as ``_mixed_tile``, in the forward's order and rounding."""
+    acc = tl.zeros_like(vs[0])
+    for i in tl.static_range(S):
+        acc += a[i] * vs[i]
+    return acc.to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def depth_mixture_fwd_stacked_kernel(srcs, w, h, a_out, r_out, gamma, rho_out, N, D, eps, eps2, S: tl.constexpr,
+                                     NW: tl.constexpr, CW: tl.constexpr, NORM: tl.constexpr):
+    """``depth_mixture_fwd_resident_kernel``'s results, one row at a time, the 2S row sums (v_i . v_i, w . v_i:
+    slots 2i, 2i + 1) exchanged across the warps at once; with NORM one more exchange for rho."""
+    offs, col_in = _row_tile(NW, CW, D)
+    wt = tl.load(w + offs, mask=col_in, other=0.0)
+    if NORM:
+        gam = tl.load(gamma + offs, mask=col_in, other=0.0).to(tl.float32)
+    for row in range(tl.program_id(0), N, tl.num_programs(0)):
+        base = tl.cast(row, tl.int64) * D
+        stats = tl.zeros([NW, CW], dtype=tl.float32)
+        vs = ()
+        for i in tl.static_range(S):
+            v = tl.load(srcs[i] + base + offs, mask=col_in, other=0.0).to(tl.float32)
+            vs = vs + (v,)
+            stats = _stack_stat(stats, v * v, 2 * i, CW)
+            stats = _stack_stat(stats, v * wt, 2 * i + 1, CW)
+        totals = tl.sum(stats, axis=0)
+        logits = ()
+        for i in tl.static_range(S):
+            r = 1.0 / tl.sqrt_rn(_stat(totals, 2 * i, CW) / D + eps)
+            tl.store(r_out + i * N + row, r)
+            logits = logits + (r * _stat(totals, 2 * i + 1, CW),)
+        a = _softmax_weights(logits, S)
+        acc = tl.zeros([NW, CW], dtype=tl.float32)
+        for i in tl.static_range(S):
+            tl.store(a_out + i * N + row, a[i])
+            acc += a[i] * vs[i]
+        stored = acc.to(h.dtype.element_ty)
+        if NORM:
+            h_hat = stored.to(tl.float32)
+            rho = 1.0 / tl.sqrt_rn(tl.sum(tl.sum(h_hat * h_hat, axis=1), axis=0) / D + eps2)
+            tl.store(rho_out + row, rho)
+            stored = (h_hat * rho * gam).to(h.dtype.element_ty)
+        tl.store(h + base + offs, stored, mask=col_in)
+
+
+@triton.jit
+def depth_mixture_bwd_stacked_kernel(srcs, dsrcs, seeds, grad, w, a_in, r_in, part, gamma, rho_in, part2, N, D,
+                                     S: tl.constexpr, NW: tl.constexpr, CW: tl.constexpr, ADD_TO: tl.constexpr,
+                                     NORM: tl.constexpr):
+    """``depth_mixture_bwd_resident_kernel``'s results, one row at a time, every row sum in one exchange across
+    the warps: w . v_i (slot i) and, without NORM, da_i = Y . v_i (slot S + i); with NORM, where
+    da_i = G . v_i = rho P_i - rho^3 (c / D) Q_i (module docstring), P_i = (gamma Y) . v_i (slot S + i),
+    Q_i = h^ . v_i (slot 2S + i) and c = (gamma Y) . h^ (slot 3S)."""
+    offs, col_in = _row_tile(NW, CW, D)
+    wt = tl.load(w + offs, mask=col_in, other=0.0)
+    if NORM:
+        gam = tl.load(gamma + offs, mask=col_in, other=0.0).to(tl.float32)
+    query_sum = tl.zeros([NW, CW], dtype=tl.float32)
+    gain_sum = tl.zeros([NW, CW], dtype=tl.float32)
+    for row in range(tl.program_id(0), N, tl.num_programs(0)):
+        base = tl.cast(row, tl.int64) * D
+        g = tl.load(grad + base + offs, mask=col_in, other=0.0).to(tl.float32)
+        vs = ()
+        a = ()
+        rs = ()
+        for i in tl.static_range(S):
+            vs = vs + (tl.load(srcs[i] + base + offs, mask=col_in, other=0.0).to(tl.float32),)
+            a = a + (tl.load(a_in + i * N + row),)
+            rs = rs + (tl.load(r_in + i * N + row),)
+        stats = tl.zeros([NW, CW], dtype=tl.float32)
+        if NORM:
+            rho = tl.load(rho_in + row)
+            h_hat = _mixed_row(vs, a, S, grad.dtype.element_ty)
+            gain_sum += g * h_hat * rho
+            g = gam * g  # gamma Y
+            stats = _stack_stat(stats, g * h_hat, 3 * S, CW)
+        for i in tl.static_range(S):
+            stats = _stack_stat(stats, vs[i] * wt, i, CW)
+            stats = _stack_stat(stats, g * vs[i], S + i, CW)
+            if NORM:
+                stats = _stack_stat(stats, h_hat * vs[i], 2 * S + i, CW)
+        totals = tl.sum(stats, axis=0)
+        if NORM:  # G = rho (gamma Y) - rho^3 (c / D) h^
+            shrink = rho * rho * rho * _stat(totals, 3 * S, CW) / D
+            g = rho * g - shrink * h_hat
+        da = ()
+        mean = 0.0
+        for i in tl.static_range(S):
+            if NORM:
+                da = da + (rho * _stat(totals, S + i, CW) - shrink * _stat(totals, 2 * S + i, CW),)
+            else:
+                da = da + (_stat(totals, S + i, CW),)
+            mean += a[i] * da[i]
+        for i in tl.static_range(S):
+            r = rs[i]
+            wc = r * a[i] * (da[i] - mean)
+            vc = wc * r * (r * _stat(totals, i, CW)) / D
+            dv = a[i] * g + wc * wt - vc * vs[i]
+            if (ADD_TO >> i) & 1:
+                dv += tl.load(seeds[i] + base + offs, mask=col_in, other=0.0).to(tl.float32)
+            tl.store(dsrcs[i] + base + offs, dv.to(dsrcs[i].dtype.element_ty), mask=col_in)
+            query_sum += wc * vs[i]
+    own = tl.program_id(0).to(tl.int64) * D
+    tl.store(part + own + offs, query_sum, mask=col_in)
+    if NORM:
+        tl.store(part2 + own + offs, gain_sum, mask=col_in)
