@@ -56,15 +56,12 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # ``resident_max_values``: at most this many fp32 values a thread over the sources (S x ROWS x BLOCK /
 # (32 x warps)); more sources take the tiled kernels. Compiled for sm_90 (Triton 3.9, d 2048: 8
 # values a thread and source), neither resident kernel spills up to S = 10 and both do from S = 12.
-# ``{fwd,bwd}_resident_stacked``: the pass's resident rows run one at a time through its stacked kernel,
-# which sums every row statistic across the warps in one exchange (depth_mixture_triton.py), where its
-# statistics fit one warp's columns (2S forward, 3S + 1 backward with the pre-norm).
 TUNING = dict(fwd_rows=1, fwd_block_d=256, fwd_warps=1, bwd_rows=1, bwd_block_d=256, bwd_warps=1,
               l2_budget=40 << 20, programs=None, resident_max_values=80,
               fwd_resident_max_d=4096, fwd_resident_rows=1, fwd_resident_cols_per_warp=256, fwd_resident_per_sm=2,
               fwd_resident_prefetch=0,
               bwd_resident_max_d=4096, bwd_resident_rows=1, bwd_resident_cols_per_warp=256, bwd_resident_per_sm=2,
-              bwd_resident_prefetch=0, fwd_resident_stacked=0, bwd_resident_stacked=0)
+              bwd_resident_prefetch=0)
 # MOE_LC_DEPTH_MIXTURE_TUNING="key=value,..." overrides (a choice tried in a whole step: benchmarks/bench_ab.py;
 # programs=0 sizes the grid as None does).
 TUNING.update(parse_launch_choices(os.environ.get("MOE_LC_DEPTH_MIXTURE_TUNING", ""), TUNING, "depth mixture"))
@@ -77,16 +74,15 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def _resident_shape(N: int, D: int, S: int, device: torch.device, prefix: str,
-                    rows: Optional[int] = None) -> Optional[tuple[int, int, int, int]]:
+def _resident_shape(N: int, D: int, S: int, device: torch.device, prefix: str) -> Optional[tuple[int, int, int, int]]:
     """(programs, ROWS, BLOCK, warps) of a pass's resident kernel where S sources of a row fit it
-    (``*_resident_max_d``, ``resident_max_values``), else None; ``rows`` overrides ``*_resident_rows``."""
+    (``*_resident_max_d``, ``resident_max_values``), else None."""
     import triton
 
     block = triton.next_power_of_2(D)
     if block > TUNING[f"{prefix}_resident_max_d"]:
         return None
-    rows = TUNING[f"{prefix}_resident_rows"] if rows is None else rows
+    rows = TUNING[f"{prefix}_resident_rows"]
     warps = max(1, min(16, rows * block // TUNING[f"{prefix}_resident_cols_per_warp"]))
     if S * rows * block > TUNING["resident_max_values"] * 32 * warps:
         return None
@@ -94,20 +90,6 @@ def _resident_shape(N: int, D: int, S: int, device: torch.device, prefix: str,
     if programs is None:
         programs = _sm_count(device) * TUNING[f"{prefix}_resident_per_sm"]
     return max(1, min(programs, triton.cdiv(N, rows))), rows, block, warps
-
-
-def _stacked_shape(N: int, D: int, S: int, device: torch.device, prefix: str,
-                   slots: int) -> Optional[tuple[int, int, int]]:
-    """(programs, NW, CW) of a pass's stacked kernel (a row as NW warps of CW columns) where
-    ``*_resident_stacked`` is on, one row of S sources fits the resident kernels, and the pass's ``slots``
-    row statistics fit one warp's columns; else None."""
-    if not TUNING[f"{prefix}_resident_stacked"]:
-        return None
-    shape = _resident_shape(N, D, S, device, prefix, rows=1)
-    if shape is None or slots > shape[2] // shape[3]:
-        return None
-    programs, _, block, warps = shape
-    return programs, warps, block // warps
 
 
 def _launch_shape(N: int, D: int, row_bytes: int, device: torch.device, prefix: str) -> tuple[int, int, int, int]:
@@ -212,12 +194,8 @@ class _DepthMixtureFunction(torch.autograd.Function):
         # without NORM the kernels never touch gamma and rho: any tensor stands in for them
         args = (tuple(sources), _folded_query(query, norm_weight), h, a, inv_rms, out_gain if norm else a,
                 rho if norm else a, N, D, eps, out_eps)
-        stacked = _stacked_shape(N, D, S, device, "fwd", 2 * S)
         resident = _resident_shape(N, D, S, device, "fwd")
-        if stacked is not None:
-            programs, warps, cw = stacked
-            kt.depth_mixture_fwd_stacked_kernel[(programs,)](*args, S=S, NW=warps, CW=cw, NORM=norm, num_warps=warps)
-        elif resident is not None:
+        if resident is not None:
             programs, rows, block, warps = resident
             kt.depth_mixture_fwd_resident_kernel[(programs,)](*args, S=S, ROWS=rows, BLOCK=block, NORM=norm,
                                                               PREFETCH=bool(TUNING["fwd_resident_prefetch"]),
@@ -256,10 +234,9 @@ class _DepthMixtureFunction(torch.autograd.Function):
             add_to |= (addend is not None) << i
         dsources, seeds = tuple(dsources), tuple(seeds)
         norm = out_gain is not None
-        stacked = _stacked_shape(N, D, S, grad.device, "bwd", 3 * S + 1 if norm else 2 * S)
         resident = _resident_shape(N, D, S, grad.device, "bwd")
-        if stacked is not None or resident is not None:  # each program writes its rows of the partial sums whole
-            programs = stacked[0] if stacked is not None else resident[0]
+        if resident is not None:  # each program writes its rows of the partial sums whole
+            programs, rows, block, warps = resident
             part = torch.empty(programs, D, device=grad.device, dtype=torch.float32)
             part2 = torch.empty_like(part) if norm else part
         else:  # each program adds into its rows of the partial sums
@@ -268,12 +245,7 @@ class _DepthMixtureFunction(torch.autograd.Function):
             part2 = torch.zeros(programs, D, device=grad.device, dtype=torch.float32) if norm else part
         args = (tuple(sources), dsources, seeds, grad, _folded_query(query, norm_weight), a, inv_rms, part,
                 out_gain if norm else part, rho if norm else a, part2, N, D)
-        if stacked is not None:
-            _, warps, cw = stacked
-            kt.depth_mixture_bwd_stacked_kernel[(programs,)](*args, S=S, NW=warps, CW=cw, ADD_TO=add_to, NORM=norm,
-                                                             num_warps=warps)
-        elif resident is not None:
-            _, rows, block, warps = resident
+        if resident is not None:
             kt.depth_mixture_bwd_resident_kernel[(programs,)](*args, S=S, ROWS=rows, BLOCK=block, ADD_TO=add_to,
                                                               NORM=norm, PREFETCH=bool(TUNING["bwd_resident_prefetch"]),
                                                               num_warps=warps)

@@ -67,23 +67,18 @@ B, T, D = 2, 5, 40
 TILED = dict(fwd_rows=4, fwd_block_d=16, fwd_warps=4, bwd_rows=4, bwd_block_d=16, bwd_warps=4, l2_budget=0, programs=2,
              resident_max_values=80,
              **{f"{p}_resident_{k}": v for p in ("fwd", "bwd")
-                for k, v in dict(max_d=0, rows=4, cols_per_warp=64, per_sm=1, prefetch=0, stacked=0).items()})
+                for k, v in dict(max_d=0, rows=4, cols_per_warp=64, per_sm=1, prefetch=0).items()})
 RESIDENT = dict(TILED, fwd_resident_max_d=64, bwd_resident_max_d=64)
 PREFETCHING = dict(RESIDENT, fwd_resident_prefetch=1, bwd_resident_prefetch=1)
-STACKED = dict(RESIDENT, fwd_resident_stacked=1, bwd_resident_stacked=1, fwd_resident_cols_per_warp=16,
-               bwd_resident_cols_per_warp=16)
 
 
-@pytest.fixture(params=["tiled", "resident", "prefetch", "stacked"])
+@pytest.fixture(params=["tiled", "resident", "prefetch"])
 def small_blocks(request, monkeypatch):
-    """Each kernel family over two programs. Tiled: 4 rows x 16 columns a tile, 3 row blocks (the
+    """Either kernel family over two programs. Tiled: 4 rows x 16 columns a tile, 3 row blocks (the
     last partial) x 3 tiles (the last partial). Resident: 4 whole rows (d = 40 in 64 columns, the last
     24 masked) at a time, 3 row blocks (the last partial), so one program adds two blocks into its sums;
-    prefetch: the resident kernels loading each program's next row block ahead (past the last: none);
-    stacked: one row at a time as 4 warps of 16 columns (the third warp's last 8 and the fourth masked),
-    each program taking every other row, the row statistics in 16 slots (up to 5 sources with the
-    pre-norm, 8 without; more take the resident kernels)."""
-    tuning = {"tiled": TILED, "resident": RESIDENT, "prefetch": PREFETCHING, "stacked": STACKED}[request.param]
+    prefetch: the resident kernels loading each program's next row block ahead (past the last: none)."""
+    tuning = {"tiled": TILED, "resident": RESIDENT, "prefetch": PREFETCHING}[request.param]
     monkeypatch.setattr(kernel_module, "TUNING", tuning)
     return request.param
 
