@@ -146,6 +146,7 @@ COMMANDS: dict[str, object] = {
     # docs/performance.md: the whole step
     **{c: NotRun("whole-step GPU measurements (a CPU step of these models takes minutes)", needs="GPU") for c in (
         "moe-lc bench k3-small-8k --steps 3 --warmup 3 --trace DIR",
+        "moe-lc bench k3-small-8k --steps 4 --warmup 3 --trace DIR",
         "moe-lc bench k3-small-8k model.num_layers=8 --steps 3 --warmup 2 --profile --trace DIR",
         "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 1 --steps 4 --warmup 2 --profile "
         "--variant before=@.base --variant onegraph=",
