@@ -9,14 +9,12 @@ may differ by a few eps32 per reduction; the bound is 64 eps32 relative to the l
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 from torch import nn
 
 from configs import tiny
+from toolchain import needs_cxx
 
 from moe_lc.config import ConfigError
 from moe_lc.model.init import build_model
@@ -26,9 +24,6 @@ from moe_lc.parallel.compile import (RECOMPILE_LIMIT, RegionalCompile, apply_com
 from moe_lc.train.main import run_train_cli
 
 EPS32 = torch.finfo(torch.float32).eps
-# Inductor's CPU backend compiles C++: it needs a compiler ($CXX or g++ / clang++)
-needs_cxx = pytest.mark.skipif(not any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "clang++") if c),
-                               reason="no C++ compiler for Inductor's CPU backend")
 
 
 def _exactly(model: nn.Module, class_name: str) -> set[str]:

@@ -1,11 +1,12 @@
 """The per-component breakdown charges forward and backward work to the module that did it."""
 
-import shutil
 import time
 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from toolchain import needs_cxx
 
 from moe_lc.metrics.breakdown import (OTHER, breakdown, component_ranges, format_kernels_by_component,
                                       kernels_by_component, region)
@@ -85,7 +86,7 @@ def test_compiled_modules_keep_their_ranges():
     torch._dynamo.reset()
 
 
-@pytest.mark.skipif(not shutil.which("g++") and not shutil.which("clang++"), reason="Inductor's CPU backend needs a C++ compiler")
+@needs_cxx
 def test_a_compiled_moe_layers_weight_copies_are_the_experts():
     """A compiled MoE layer makes the step's copies of the experts' weights before entering its graph,
     outside the experts' own call: they (and their backward, which adds into the fp32 gradients) are
