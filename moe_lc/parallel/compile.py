@@ -146,10 +146,10 @@ def apply_compile(model: nn.Module, policy: RegionalCompile, tp: int = 1, world_
     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
     for name in names:
         module = model.get_submodule(name)
-        if isinstance(module, LatentMoE) and _experts_traceable(module):
-            _compile_whole_moe_layer(module)
-            continue
         if isinstance(module, LatentMoE):
+            if _experts_traceable(module):
+                _compile_whole_moe_layer(module)
+                continue
             _keep_experts_out_of_the_graph(module)
         module.compile()
     return names
