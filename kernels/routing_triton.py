@@ -20,13 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _sigmoid(x):
-    """sigmoid(x) from e = exp(-|x|): no overflow, relative precision kept at both ends."""
-    e = tl.exp(-tl.abs(x))
-    r = 1.0 / (1.0 + e)
-    return tl.where(x >= 0.0, r, e * r)
+from moe_lc_kernels.fast_math_triton import sigmoid_pair
 
 
 @triton.jit
@@ -35,7 +29,7 @@ def _scores(logits, rows, row_in, cols, col_in, row_stride):
     offs = rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
     mask = row_in[:, None] & col_in[None, :]
     x = tl.load(logits + offs, mask=mask, other=0.0).to(tl.float32)
-    return tl.where(mask, _sigmoid(x), 0.0)
+    return tl.where(mask, sigmoid_pair(x)[0], 0.0)
 
 
 @triton.jit
@@ -88,7 +82,7 @@ def route_bwd_kernel(logits, topk_idx, dweights, dlogits, T, row_stride, scale, 
     at = rows.to(tl.int64)[:, None] * K + slots[None, :]
     idx = tl.load(topk_idx + at, mask=slot_mask, other=0)
     x = tl.load(logits + rows.to(tl.int64)[:, None] * row_stride + idx, mask=slot_mask, other=0.0).to(tl.float32)
-    s = tl.where(slot_mask, _sigmoid(x), 0.0)
+    s = tl.where(slot_mask, sigmoid_pair(x)[0], 0.0)
     dp = tl.load(dweights + at, mask=slot_mask, other=0.0).to(tl.float32)
     total = tl.where(row_in, tl.sum(s, axis=1), 1.0)
     dot = tl.sum(dp * s, axis=1)

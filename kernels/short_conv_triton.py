@@ -22,6 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moe_lc_kernels.fast_math_triton import sigmoid_pair
+
 
 @triton.jit
 def _conv_tile(x, w, row0, t, c, p, t_in, c_in, XS, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
@@ -38,10 +40,17 @@ def _conv_tile(x, w, row0, t, c, p, t_in, c_in, XS, W: tl.constexpr, BT: tl.cons
 
 
 @triton.jit
+def _silu(y):
+    """y sigmoid(y) (fast_math_triton's sigmoid: a third of tl.sigmoid's instructions)."""
+    s, _ = sigmoid_pair(y)
+    return y * s
+
+
+@triton.jit
 def _silu_grad(g, y):
     """g * silu'(y): silu'(y) = s (1 + y (1 - s)), s = sigmoid(y)."""
-    s = tl.sigmoid(y)
-    return g * s * (1.0 + y * (1.0 - s))
+    s, one_minus_s = sigmoid_pair(y)
+    return g * s * (1.0 + y * one_minus_s)
 
 
 @triton.jit
@@ -65,7 +74,7 @@ def short_conv_fwd_kernel(x, w, pos, y, T, C, XS, YS, W: tl.constexpr, BT: tl.co
     p = _positions(pos, t, t_in, HAS_DOCS)
     acc = _conv_tile(x, w, row0, t, c, p, t_in, c_in, XS, W, BT, BC)
     if SILU:
-        acc = acc * tl.sigmoid(acc)
+        acc = _silu(acc)
     offs = (row0 + t).to(tl.int64)[:, None] * YS + c[None, :]
     tl.store(y + offs, acc.to(y.dtype.element_ty), mask=t_in[:, None] & c_in[None, :])
 
@@ -200,7 +209,7 @@ def short_conv_rows_kernel(x, w, pos, dout, out, T, C, XS, YS, OS, W: tl.constex
             if SILU_GRAD:
                 acc = _silu_grad(tl.load(dout + offs * YS + c, mask=ok, other=0.0).to(tl.float32), acc)
             elif SILU:
-                acc = acc * tl.sigmoid(acc)
+                acc = _silu(acc)
             tl.store(out + offs * OS + c, acc.to(out.dtype.element_ty), mask=ok)
 
 

@@ -15,12 +15,17 @@ precision near 0, where b tanh(x/b) ~ x must stay exact to an ulp):
   (1 - e) / (1 + e) with e = exp(-2|x|) (1 - e >= 0.39 there, so no cancellation);
 - 1 - tanh(x)^2 = 4e / (1 + e)^2: no cancellation when tanh(x) is close to 1;
 - sigmoid(x) and 1 - sigmoid(x) from e = exp(-|x|): no overflow and no cancellation at either end.
+
+The kernels are bound by instruction issue, not memory: their exponentials, reciprocals and sigmoids
+are fast_math_triton's (every exponential is of -|x|, every divisor 1 + e in [1, 2]).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from moe_lc_kernels.fast_math_triton import exp_neg, reciprocal_1_to_2, sigmoid_pair
 
 SMALL_TANH = tl.constexpr(0.25)  # below it the polynomial, above it the exp formula
 
@@ -29,23 +34,13 @@ SMALL_TANH = tl.constexpr(0.25)  # below it the polynomial, above it the exp for
 def _tanh_sech2(x):
     """tanh(x) and its derivative 1 - tanh(x)^2, both to a few fp32 ulps of relative precision."""
     ax = tl.abs(x)
-    e = tl.exp(-2.0 * ax)
-    r = 1.0 / (1.0 + e)  # the one division (IEEE division is the costliest instruction here)
+    e = exp_neg(ax, 2.0)
+    r = reciprocal_1_to_2(1.0 + e)
     x2 = x * x
     poly = ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
     t = tl.where(ax < SMALL_TANH, poly, (1.0 - e) * r)
     t = tl.where(x < 0.0, -t, t)
     return t, 4.0 * e * r * r
-
-
-@triton.jit
-def _sigmoid_pair(x):
-    """sigmoid(x) and 1 - sigmoid(x) = sigmoid(-x)."""
-    e = tl.exp(-tl.abs(x))
-    r = 1.0 / (1.0 + e)
-    q = e * r
-    pos = x >= 0.0
-    return tl.where(pos, r, q), tl.where(pos, q, r)
 
 
 @triton.jit
@@ -69,7 +64,7 @@ def situ_glu_fwd_kernel(a, c, h, n, hidden: tl.constexpr, row_stride, beta1, bet
     cv = tl.load(c + src, mask=mask, other=0.0).to(tl.float32)
     t1, _ = _tanh_sech2(av * (1.0 / beta1))
     t2, _ = _tanh_sech2(cv * (1.0 / beta2))
-    s, _ = _sigmoid_pair(av)
+    s, _ = sigmoid_pair(av)
     out = (beta1 * t1 * s) * (beta2 * t2)
     tl.store(h + offs, out.to(h.dtype.element_ty), mask=mask)
 
@@ -87,7 +82,7 @@ def situ_glu_bwd_kernel(a, c, dh, da, dc, n, hidden: tl.constexpr, row_stride, g
     g_out = tl.load(dh + offs, mask=mask, other=0.0).to(tl.float32)
     t1, sech1 = _tanh_sech2(av * (1.0 / beta1))
     t2, sech2 = _tanh_sech2(cv * (1.0 / beta2))
-    s, one_minus_s = _sigmoid_pair(av)
+    s, one_minus_s = sigmoid_pair(av)
     g = beta1 * t1
     up = beta2 * t2
     d_a = g_out * up * (sech1 * s + g * s * one_minus_s)

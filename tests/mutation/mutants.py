@@ -43,6 +43,7 @@ ACCOUNTING = "moe_lc/model/accounting.py"
 SITU = "moe_lc/ops/situ_glu.py"
 GROUPED = "moe_lc/ops/grouped_experts.py"
 SITU_KERNEL = "kernels/situ_glu_triton.py"
+FAST_MATH_KERNEL = "kernels/fast_math_triton.py"
 PERMUTATION = "moe_lc/ops/token_permutation.py"
 PERMUTATION_KERNEL = "kernels/token_permutation_triton.py"
 ROUTER_KERNEL = "kernels/routing_triton.py"
@@ -235,6 +236,11 @@ MUTANTS: tuple[Mutant, ...] = (
            "d_c = g_out * (g * s)", "SiTU's dc without sech^2(c / b2)", ("tests/test_situ_glu.py",)),
     Mutant("situ-kernel-sech2-wrong", SITU_KERNEL, "return t, 4.0 * e * r * r", "return t, 4.0 * e * r",
            "1 - tanh^2 as 4e / (1 + e) instead of 4e / (1 + e)^2", ("tests/test_situ_glu.py",)),
+    Mutant("fast-reciprocal-is-a-reciprocal-sqrt", FAST_MATH_KERNEL, "    return r * r", "    return r",
+           "1 / y as rsqrt(y) (the square forgotten)", ("tests/test_situ_glu.py", "tests/test_short_conv.py")),
+    Mutant("fast-sigmoid-pair-swapped", FAST_MATH_KERNEL, "return tl.where(pos, r, q), tl.where(pos, q, r)",
+           "return tl.where(pos, q, r), tl.where(pos, r, q)", "sigmoid(x) and 1 - sigmoid(x) exchanged",
+           ("tests/test_situ_glu.py", "tests/test_short_conv.py", "tests/test_routing.py")),
     Mutant("conv-kernel-crosses-document-starts", CONV_KERNEL, "ok = t_in & (t >= j) & (p >= j)",
            "ok = t_in & (t >= j)", "the convolution reads the previous document's last tokens",
            ("tests/test_short_conv.py",)),
@@ -255,7 +261,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("conv-fused-backward-reads-output-gradient-at-x-stride", CONV_KERNEL,
            "g = tl.load(g_in + (row0 + t).to(tl.int64) * GS + c", "g = tl.load(g_in + (row0 + t).to(tl.int64) * XS + c",
            "the one-pass backward reads a group's output gradient at x's row stride", ("tests/test_short_conv.py",)),
-    Mutant("conv-kernel-silu-derivative", CONV_KERNEL, "return g * s * (1.0 + y * (1.0 - s))", "return g * s",
+    Mutant("conv-kernel-silu-derivative", CONV_KERNEL, "return g * s * (1.0 + y * one_minus_s)", "return g * s",
            "SiLU's derivative taken as sigmoid(y)", ("tests/test_short_conv.py",)),
     Mutant("conv-kernel-taps-reversed", CONV_KERNEL,
            "wj = tl.load(w + c * W + (W - 1 - j), mask=c_in, other=0.0).to(tl.float32)\n        ok = t_in",
