@@ -184,7 +184,7 @@ def _short_conv() -> None:
 def _depth_mixture() -> None:
     from moe_lc_kernels.depth_mixture import depth_mixture_triton
 
-    for count in (2, 3, 4, 7):  # k3-small's mixers have 2 to 6 sources; 7 the most a block mode of 8 blocks reaches
+    for count in (2, 3, 4, 5, 6, 7):  # k3-small's mixers have 2 to 6 sources; 7 the most a block mode of 8 blocks reaches
         for out_norm in (None, (torch.ones(D, requires_grad=True), 1e-6)):  # the mixture alone, and with its pre-norm
             sources = [_bf16(1, TOKENS, D).requires_grad_(True) for _ in range(count)]
             h = depth_mixture_triton(sources, torch.randn(D, requires_grad=True), torch.ones(D, requires_grad=True),

@@ -61,7 +61,9 @@ TUNING = dict(fwd_rows=1, fwd_block_d=256, fwd_warps=1, bwd_rows=1, bwd_block_d=
               fwd_resident_max_d=4096, fwd_resident_rows=1, fwd_resident_cols_per_warp=256, fwd_resident_per_sm=2,
               fwd_resident_prefetch=0,
               bwd_resident_max_d=4096, bwd_resident_rows=1, bwd_resident_cols_per_warp=256, bwd_resident_per_sm=2,
-              bwd_resident_prefetch=0)
+              bwd_resident_prefetch=0, fwd_resident_maxnreg=0, bwd_resident_maxnreg=0)
+# ``*_resident_maxnreg``: a cap on a resident kernel's registers a thread (0: the compiler's choice), so that
+# more programs fit an SM at the price of spills (the backward at 4+ sources takes 164+, one program an SM).
 # MOE_LC_DEPTH_MIXTURE_TUNING="key=value,..." overrides (a choice tried in a whole step: benchmarks/bench_ab.py;
 # programs=0 sizes the grid as None does).
 TUNING.update(parse_launch_choices(os.environ.get("MOE_LC_DEPTH_MIXTURE_TUNING", ""), TUNING, "depth mixture"))
@@ -90,6 +92,12 @@ def _resident_shape(N: int, D: int, S: int, device: torch.device, prefix: str) -
     if programs is None:
         programs = _sm_count(device) * TUNING[f"{prefix}_resident_per_sm"]
     return max(1, min(programs, triton.cdiv(N, rows))), rows, block, warps
+
+
+def _register_cap(prefix: str) -> dict:
+    """The resident kernel's ``maxnreg`` launch option where ``*_resident_maxnreg`` sets one."""
+    cap = TUNING[f"{prefix}_resident_maxnreg"]
+    return {"maxnreg": cap} if cap else {}
 
 
 def _launch_shape(N: int, D: int, row_bytes: int, device: torch.device, prefix: str) -> tuple[int, int, int, int]:
@@ -199,7 +207,7 @@ class _DepthMixtureFunction(torch.autograd.Function):
             programs, rows, block, warps = resident
             kt.depth_mixture_fwd_resident_kernel[(programs,)](*args, S=S, ROWS=rows, BLOCK=block, NORM=norm,
                                                               PREFETCH=bool(TUNING["fwd_resident_prefetch"]),
-                                                              num_warps=warps)
+                                                              num_warps=warps, **_register_cap("fwd"))
         else:
             programs, rows, block_d, warps = _launch_shape(N, D, _row_bytes(D, sources), device, "fwd")
             kt.depth_mixture_fwd_kernel[(programs,)](*args, S=S, ROWS=rows, BLOCK_D=block_d, NORM=norm,
@@ -248,7 +256,7 @@ class _DepthMixtureFunction(torch.autograd.Function):
         if resident is not None:
             kt.depth_mixture_bwd_resident_kernel[(programs,)](*args, S=S, ROWS=rows, BLOCK=block, ADD_TO=add_to,
                                                               NORM=norm, PREFETCH=bool(TUNING["bwd_resident_prefetch"]),
-                                                              num_warps=warps)
+                                                              num_warps=warps, **_register_cap("bwd"))
         else:
             kt.depth_mixture_bwd_kernel[(programs,)](*args, S=S, ROWS=rows, BLOCK_D=block_d, ADD_TO=add_to, NORM=norm,
                                                      num_warps=warps)

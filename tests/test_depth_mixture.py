@@ -67,7 +67,7 @@ B, T, D = 2, 5, 40
 TILED = dict(fwd_rows=4, fwd_block_d=16, fwd_warps=4, bwd_rows=4, bwd_block_d=16, bwd_warps=4, l2_budget=0, programs=2,
              resident_max_values=80,
              **{f"{p}_resident_{k}": v for p in ("fwd", "bwd")
-                for k, v in dict(max_d=0, rows=4, cols_per_warp=64, per_sm=1, prefetch=0).items()})
+                for k, v in dict(max_d=0, rows=4, cols_per_warp=64, per_sm=1, prefetch=0, maxnreg=0).items()})
 RESIDENT = dict(TILED, fwd_resident_max_d=64, bwd_resident_max_d=64)
 PREFETCHING = dict(RESIDENT, fwd_resident_prefetch=1, bwd_resident_prefetch=1)
 
