@@ -196,11 +196,11 @@ class _DepthMixtureFunction(torch.autograd.Function):
         device = sources[0].device
         h = torch.empty(shape, device=device, dtype=out_dtype)
         a = torch.empty(S, N, device=device, dtype=torch.float32)
-        inv_rms = torch.empty_like(a)
+        row_stats = torch.empty(2 * S, N, device=device, dtype=torch.float32)  # r_i, then the logits r_i (w . v_i)
         norm = out_gain is not None
         rho = torch.empty(N, device=device, dtype=torch.float32) if norm else None
         # without NORM the kernels never touch gamma and rho: any tensor stands in for them
-        args = (tuple(sources), _folded_query(query, norm_weight), h, a, inv_rms, out_gain if norm else a,
+        args = (tuple(sources), _folded_query(query, norm_weight), h, a, row_stats, out_gain if norm else a,
                 rho if norm else a, N, D, eps, out_eps)
         resident = _resident_shape(N, D, S, device, "fwd")
         if resident is not None:
@@ -212,7 +212,7 @@ class _DepthMixtureFunction(torch.autograd.Function):
             programs, rows, block_d, warps = _launch_shape(N, D, _row_bytes(D, sources), device, "fwd")
             kt.depth_mixture_fwd_kernel[(programs,)](*args, S=S, ROWS=rows, BLOCK_D=block_d, NORM=norm,
                                                      num_warps=warps)
-        ctx.save_for_backward(query, norm_weight, a, inv_rms, out_gain if norm else None, rho, *sources)
+        ctx.save_for_backward(query, norm_weight, a, row_stats, out_gain if norm else None, rho, *sources)
         ctx.sums = sums
         ctx.hands_over = None if sums is None else tuple(total.claim() for total in sums)
         return h
@@ -221,7 +221,7 @@ class _DepthMixtureFunction(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         from moe_lc_kernels import depth_mixture_triton as kt
 
-        query, norm_weight, a, inv_rms, out_gain, rho, *sources = ctx.saved_tensors
+        query, norm_weight, a, row_stats, out_gain, rho, *sources = ctx.saved_tensors
         S, N = a.shape
         D = sources[0].shape[-1]
         grad = grad.contiguous()
@@ -251,7 +251,7 @@ class _DepthMixtureFunction(torch.autograd.Function):
             programs, rows, block_d, warps = _launch_shape(N, D, _row_bytes(D, [grad, *sources]), grad.device, "bwd")
             part = torch.zeros(programs, D, device=grad.device, dtype=torch.float32)
             part2 = torch.zeros(programs, D, device=grad.device, dtype=torch.float32) if norm else part
-        args = (tuple(sources), dsources, seeds, grad, _folded_query(query, norm_weight), a, inv_rms, part,
+        args = (tuple(sources), dsources, seeds, grad, _folded_query(query, norm_weight), a, row_stats, part,
                 out_gain if norm else part, rho if norm else a, part2, N, D)
         if resident is not None:
             kt.depth_mixture_bwd_resident_kernel[(programs,)](*args, S=S, ROWS=rows, BLOCK=block, ADD_TO=add_to,

@@ -188,7 +188,8 @@ def test_zero_query_is_the_uniform_mean_and_still_has_a_query_gradient(small_blo
     assert ref["dq"].abs().max() > 1e-3  # the gradient that moves the query off zero
 
 
-def test_the_kernels_keep_the_sources_and_two_numbers_per_source_and_token(small_blocks):
+def test_the_kernels_keep_the_sources_and_three_numbers_per_source_and_token(small_blocks):
+    """a; r and the logit in one [2S, N] tensor."""
     sources, query, gain, _ = make_inputs([F32, BF16, BF16])
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -196,7 +197,7 @@ def test_the_kernels_keep_the_sources_and_two_numbers_per_source_and_token(small
     inputs = {t.data_ptr() for t in (*sources, query, gain)}
     new = [t for t in saved if t.data_ptr() not in inputs]
     assert {t.data_ptr() for t in saved} >= inputs
-    assert sorted(t.shape for t in new) == [(3, B * T)] * 2 and all(t.dtype == F32 for t in new)
+    assert sorted(t.shape for t in new) == [(3, B * T), (6, B * T)] and all(t.dtype == F32 for t in new)
 
 
 def test_non_dense_sources_and_no_tokens(small_blocks):
@@ -486,7 +487,7 @@ def test_the_pre_norm_in_the_kernels_keeps_one_more_number_per_token_and_not_the
     inputs = {t.data_ptr() for t in (*sources, query, gain, gamma)}
     new = [t for t in saved if t.data_ptr() not in inputs]
     assert {t.data_ptr() for t in saved} >= inputs
-    assert sorted(t.shape for t in new) == sorted([(B * T,), (3, B * T), (3, B * T)]) and all(t.dtype == F32 for t in new)
+    assert sorted(t.shape for t in new) == sorted([(B * T,), (3, B * T), (6, B * T)]) and all(t.dtype == F32 for t in new)
 
 
 def test_the_reference_pre_norm_is_the_model_norm_of_the_mixture():
