@@ -119,7 +119,7 @@ class _ShortConvFunction(torch.autograd.Function):
             for g, (xg, wg, dout) in enumerate(zip(_pieces(x, ctx.pieces), weight.split(width), douts)):
                 kt.short_conv_bwd_rows_kernel[(t_blocks, triton.cdiv(width, bc), B)](
                     xg, wg, pos_arg, dout, dx[..., g * width:], dw_part[:, :, g * width:], T, width, C, width, C, W=W,
-                    WP=triton.next_power_of_2(W), BT=bt, R=_rows_per_step(bt), BC=bc, HAS_DOCS=has_docs,
+                    BT=bt, R=_rows_per_step(bt), BC=bc, HAS_DOCS=has_docs,
                     SILU_GRAD=True, num_warps=warps)
             return dx, dw_part.sum(0).t().contiguous().to(weight.dtype), None, None, None
         bt, bc, warps = _blocks(T, C, "bwd")
@@ -151,7 +151,7 @@ class _ShortConvFunction(torch.autograd.Function):
                                            HAS_DOCS=has_docs, num_warps=warps)
         else:
             kt.short_conv_bwd_rows_kernel[grid](x, weight, pos_arg, dy, dx, dw_part, T, C, C, C, C, W=W,
-                                                WP=triton.next_power_of_2(W), BT=bt, R=step, BC=bc,
+                                                BT=bt, R=step, BC=bc,
                                                 HAS_DOCS=has_docs, SILU_GRAD=False, num_warps=warps)
         dweight = dw_part.sum(0).t().contiguous().to(weight.dtype)
         return dx, dweight, None, None, None

@@ -214,7 +214,7 @@ def short_conv_rows_kernel(x, w, pos, dout, out, T, C, XS, YS, OS, W: tl.constex
 
 
 @triton.jit
-def short_conv_bwd_rows_kernel(x, w, pos, g_in, dx, dw_part, T, C, XS, GS, DWS, W: tl.constexpr, WP: tl.constexpr,
+def short_conv_bwd_rows_kernel(x, w, pos, g_in, dx, dw_part, T, C, XS, GS, DWS, W: tl.constexpr,
                                BT: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, HAS_DOCS: tl.constexpr,
                                SILU_GRAD: tl.constexpr):
     """``short_conv_bwd_kernel``'s dx and dweight partial sums (the same [programs, W, C] layout), R rows a
@@ -228,8 +228,9 @@ def short_conv_bwd_rows_kernel(x, w, pos, g_in, dx, dw_part, T, C, XS, GS, DWS, 
     c_in = c < C
     row0 = tl.program_id(2) * T
     taps = _tap_weights(w, c, c_in, W)
-    tap_rows = tl.arange(0, WP)
-    dw = tl.zeros([WP, BC], dtype=tl.float32)  # row W-1-j: tap j's sum over this program's rows
+    dw = ()  # tap j's sum over this program's rows: W [BC] vectors in the rows' own layout (no exchange a step)
+    for j in tl.static_range(W):
+        dw = dw + (tl.zeros([BC], dtype=tl.float32),)
     for start in range(pid_t * BT, tl.minimum(pid_t * BT + BT, T), R):
         ps = _position_tuple(pos, start, R + W - 1, T, HAS_DOCS)
         if SILU_GRAD:
@@ -242,12 +243,14 @@ def short_conv_bwd_rows_kernel(x, w, pos, g_in, dx, dw_part, T, C, XS, GS, DWS, 
         else:
             xs = _row_tuple(x, row0, start - (W - 1), R + W - 1, c, c_in, T, XS)
             gs = _row_tuple(g_in, row0, start, R + W - 1, c, c_in, T, GS)
+        summed = ()
         for j in tl.static_range(W):
-            tap_sum = tl.zeros([BC], dtype=tl.float32)
+            tap_sum = dw[j]
             for r in tl.static_range(R):
                 # dweight: output row t read x[t - j] through tap j when pos[t] >= j
                 tap_sum += tl.where(ps[r] >= j, gs[r] * xs[r + W - 1 - j], 0.0)
-            dw += tl.where(tap_rows[:, None] == W - 1 - j, tap_sum[None, :], 0.0)
+            summed = summed + (tap_sum,)
+        dw = summed
         for r in tl.static_range(R):
             # dx: output row t + j read x[t] through tap j when pos[t + j] >= j
             acc = taps[0] * gs[r]
@@ -256,4 +259,5 @@ def short_conv_bwd_rows_kernel(x, w, pos, g_in, dx, dw_part, T, C, XS, GS, DWS, 
             t = start + r
             tl.store(dx + (row0 + t).to(tl.int64) * XS + c, acc.to(dx.dtype.element_ty), mask=_row_mask(c, c_in, t, T))
     part = dw_part + (tl.program_id(2) * tl.num_programs(0) + pid_t).to(tl.int64) * (W * DWS)
-    tl.store(part + tap_rows[:, None] * DWS + c[None, :], dw, mask=(tap_rows < W)[:, None] & c_in[None, :])
+    for j in tl.static_range(W):
+        tl.store(part + (W - 1 - j) * DWS + c, dw[j], mask=c_in)
