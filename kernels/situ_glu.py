@@ -9,21 +9,28 @@ this module imports without it (``moe_lc.ops.situ_glu.situ_glu`` is the public e
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
+
+from moe_lc_kernels.tuning import parse_launch_choices
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Elements per program and warps. Memory-bound: on an H200 at 64M bf16 elements, 2048 x 4 warps ran
 # the forward at 2.38 TB/s (3 streams) and the backward at 3.29 TB/s (5 streams) against a 3.94 TB/s
 # copy; 1024 x 4 and 4096 x 8 were within 5%, 16 warps and 4096 x 4 10-35% slower.
-TUNING = dict(block=2048, warps=4)
+# The backward has its own: at 2048 x 4 its sm_90 code holds 111 registers a thread (four programs an SM).
+# MOE_LC_SITU_TUNING="key=value,..." overrides (a choice tried in a whole step: benchmarks/bench_ab.py).
+TUNING = dict(block=2048, warps=4, bwd_block=2048, bwd_warps=4)
+TUNING.update(parse_launch_choices(os.environ.get("MOE_LC_SITU_TUNING", ""), TUNING, "SiTU"))
 
 
-def _launch(kernel, n: int, *args, stacked: bool = False) -> None:
+def _launch(kernel, n: int, *args, stacked: bool = False, prefix: str = "") -> None:
     import triton
 
-    block = TUNING["block"]
-    kernel[(triton.cdiv(n, block),)](*args, BLOCK=block, STACKED=stacked, num_warps=TUNING["warps"])
+    block = TUNING[f"{prefix}block"]
+    kernel[(triton.cdiv(n, block),)](*args, BLOCK=block, STACKED=stacked, num_warps=TUNING[f"{prefix}warps"])
 
 
 # The kernels as custom ops (forward and backward each one op, autograd registered on the forward):
@@ -52,7 +59,7 @@ def _situ_glu_backward(a: Tensor, c: Tensor, dh: Tensor, beta1: float, beta2: fl
     dh = dh.contiguous()
     da, dc = torch.empty_like(a), torch.empty_like(c)
     if a.numel():
-        _launch(kt.situ_glu_bwd_kernel, a.numel(), a, c, dh, da, dc, a.numel(), 1, 0, 0, beta1, beta2)
+        _launch(kt.situ_glu_bwd_kernel, a.numel(), a, c, dh, da, dc, a.numel(), 1, 0, 0, beta1, beta2, prefix="bwd_")
     return da, dc
 
 
@@ -105,7 +112,7 @@ def _situ_glu_stacked_backward(y: Tensor, dh: Tensor, beta1: float, beta2: float
     dy = y.new_empty(y.shape[0], 2 * hidden)
     if dh.numel():
         _launch(kt.situ_glu_bwd_kernel, dh.numel(), y, y[:, hidden:], dh, dy, dy[:, hidden:], dh.numel(),
-                hidden, _row_stride(y), 2 * hidden, beta1, beta2, stacked=True)
+                hidden, _row_stride(y), 2 * hidden, beta1, beta2, stacked=True, prefix="bwd_")
     return dy
 
 

@@ -42,7 +42,7 @@ B1, B2 = 4.0, 25.0
 @pytest.fixture
 def small_blocks(monkeypatch):
     """256 elements a program: the [37, 53] inputs span 8 programs, the last one partial."""
-    monkeypatch.setattr(kernel_module, "TUNING", dict(block=256, warps=4))
+    monkeypatch.setattr(kernel_module, "TUNING", dict(block=256, warps=4, bwd_block=256, bwd_warps=4))
 
 
 def inputs(dtype: torch.dtype, shape=(37, 53), seed: int = 0):
