@@ -31,8 +31,11 @@ def test_random_sigkills_under_torchrun_restarts_resume_bitwise(tmp_path, tmp_pa
          "--json", str(out)],
         env=_env(tmp_path_factory), capture_output=True, text=True, timeout=280,
     )
+    log = tmp_path / "torchrun.log"
+    why = proc.stdout[-2000:] + proc.stderr[-2000:] + (log.read_text()[-4000:] if log.exists() else "")
+    assert out.exists(), f"kill_loop.py exited {proc.returncode} without its result:\n{why}"
     result = json.loads(out.read_text())
-    assert proc.returncode == 0, proc.stdout + (tmp_path / "torchrun.log").read_text()[-4000:]
+    assert proc.returncode == 0, why
     assert result["bitwise_equal"] and result["torchrun_rc"] == 0
     assert len(result["kills"]) == 2 and result["steps"] == result["reference_steps"]
     for kill in result["kills"]:  # a checkpoint every step: a kill costs at most the step it hit
