@@ -54,16 +54,23 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # 1.452 s); alone (bench_depth_mixture.py --pre-norm, 16,384 x 2,048 bf16, S = 2 / 3 / 4) the
 # backward took 1.008 / 0.984 / 0.624 ms tiled, 0.833 / 0.699 / 0.540 resident.
 # ``resident_max_values``: at most this many fp32 values a thread over the sources (S x ROWS x BLOCK /
-# (32 x warps)); more sources take the tiled kernels. Compiled for sm_90 (Triton 3.9, d 2048: 8
+# (32 x warps)); where more, a launch of more than 256 columns a warp spreads the row over twice the
+# warps at half the programs an SM, and at 256 (8 values a source) the tiled kernels take it. Compiled for sm_90 (Triton 3.9, d 2048: 8
 # values a thread and source), neither resident kernel spills up to S = 10 and both do from S = 12.
 TUNING = dict(fwd_rows=1, fwd_block_d=256, fwd_warps=1, bwd_rows=1, bwd_block_d=256, bwd_warps=1,
               l2_budget=40 << 20, programs=None, resident_max_values=80,
-              fwd_resident_max_d=4096, fwd_resident_rows=1, fwd_resident_cols_per_warp=256, fwd_resident_per_sm=2,
+              fwd_resident_max_d=4096, fwd_resident_rows=1, fwd_resident_cols_per_warp=512, fwd_resident_per_sm=4,
               fwd_resident_prefetch=0,
               bwd_resident_max_d=4096, bwd_resident_rows=1, bwd_resident_cols_per_warp=256, bwd_resident_per_sm=2,
-              bwd_resident_prefetch=0, fwd_resident_maxnreg=0, bwd_resident_maxnreg=0)
+              bwd_resident_prefetch=0, fwd_resident_maxnreg=128, bwd_resident_maxnreg=128)
 # ``*_resident_maxnreg``: a cap on a resident kernel's registers a thread (0: the compiler's choice), so that
-# more programs fit an SM at the price of spills (the backward at 4+ sources takes 164+, one program an SM).
+# more programs fit an SM. The forward at 4 warps a row of d 2048 and four programs an SM (5 sources
+# at most, capped at 128 registers so that four fit: 145 uncapped at 5, 18 spill instructions capped;
+# 6 and 7 take 8 warps at two, as before), the backward capped at 128 registers (it took 164-202
+# from 4 sources, one 8-warp program an SM; at 128, no spills at 4 sources, 12-26 spill instructions at 5-6):
+# on one H100, k3-small at 11 layers, with SiTU's backward at 1024 x 8, 1.840 s a step against 1.859
+# (-1.0%, two rounds; docs/performance.md §12.25); alone, 4 sources, forward 0.139 ms against 0.197 and
+# backward 0.258 against 0.375.
 # MOE_LC_DEPTH_MIXTURE_TUNING="key=value,..." overrides (a choice tried in a whole step: benchmarks/bench_ab.py;
 # programs=0 sizes the grid as None does).
 TUNING.update(parse_launch_choices(os.environ.get("MOE_LC_DEPTH_MIXTURE_TUNING", ""), TUNING, "depth mixture"))
@@ -86,11 +93,14 @@ def _resident_shape(N: int, D: int, S: int, device: torch.device, prefix: str) -
         return None
     rows = TUNING[f"{prefix}_resident_rows"]
     warps = max(1, min(16, rows * block // TUNING[f"{prefix}_resident_cols_per_warp"]))
+    per_sm = TUNING[f"{prefix}_resident_per_sm"]
+    while S * rows * block > TUNING["resident_max_values"] * 32 * warps and rows * block // (2 * warps) >= 256:
+        warps, per_sm = 2 * warps, max(1, per_sm // 2)
     if S * rows * block > TUNING["resident_max_values"] * 32 * warps:
         return None
     programs = TUNING["programs"]
     if programs is None:
-        programs = _sm_count(device) * TUNING[f"{prefix}_resident_per_sm"]
+        programs = _sm_count(device) * per_sm
     return max(1, min(programs, triton.cdiv(N, rows))), rows, block, warps
 
 

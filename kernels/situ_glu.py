@@ -17,12 +17,16 @@ from torch import Tensor
 from moe_lc_kernels.tuning import parse_launch_choices
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Elements per program and warps. Memory-bound: on an H200 at 64M bf16 elements, 2048 x 4 warps ran
-# the forward at 2.38 TB/s (3 streams) and the backward at 3.29 TB/s (5 streams) against a 3.94 TB/s
-# copy; 1024 x 4 and 4096 x 8 were within 5%, 16 warps and 4096 x 4 10-35% slower.
-# The backward has its own: at 2048 x 4 its sm_90 code holds 111 registers a thread (four programs an SM).
+# Elements per program and warps. On an H200 at 64M bf16 elements, 2048 x 4 warps ran the forward of the
+# IEEE-math kernels at 2.38 TB/s (3 streams) and the backward at 3.29 TB/s (5 streams) against a 3.94
+# TB/s copy; 1024 x 4 and 4096 x 8 were within 5%, 16 warps and 4096 x 4 10-35% slower. The forward was
+# bound by instruction issue (fast_math_triton.py): on one H100 at [131072, 2 x 896], 261 us with the
+# fast math against 311.
+# The backward has its own: at 2048 x 4 its sm_90 code holds 111 registers a thread (four programs an SM);
+# at 1024 x 8, 32. On one H100 at [131072, 2 x 896]: 385 us against 437 at 2048 x 4 (the kernel before
+# fast_math_triton: 403 at 2048 x 4), 406 at 1024 x 4, 429 at 2048 x 8, 444 at 4096 x 8.
 # MOE_LC_SITU_TUNING="key=value,..." overrides (a choice tried in a whole step: benchmarks/bench_ab.py).
-TUNING = dict(block=2048, warps=4, bwd_block=2048, bwd_warps=4)
+TUNING = dict(block=2048, warps=4, bwd_block=1024, bwd_warps=8)
 TUNING.update(parse_launch_choices(os.environ.get("MOE_LC_SITU_TUNING", ""), TUNING, "SiTU"))
 
 

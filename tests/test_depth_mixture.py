@@ -605,5 +605,9 @@ def test_rows_that_would_spill_registers_take_the_tiled_kernels():
     assert shape(16384, 2048, 11, cpu, "bwd") is None
     assert shape(16384, 2048, 11, cpu, "fwd") is None
     _, rows, block, warps = shape(16384, 2560, 2, cpu, "fwd")
-    assert (rows, block, warps) == (1, 4096, 16)
+    assert (rows, block, warps) == (1, 4096, 4096 // kernel_module.TUNING["fwd_resident_cols_per_warp"])
+    # a forward of 4 warps a row (512 columns of d 2048) takes 8 at half the programs where 6 sources need it
+    programs4, _, _, warps4 = shape(16384, 2048, 5, cpu, "fwd")
+    programs6, _, _, warps6 = shape(16384, 2048, 6, cpu, "fwd")
+    assert (warps4, warps6) == (4, 8) and programs6 * 2 == programs4
     assert shape(16384, 7168, 2, cpu, "bwd") is None
