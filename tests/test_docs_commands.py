@@ -262,6 +262,13 @@ COMMANDS: dict[str, object] = {
         "python benchmarks/bench_ab.py k3-small-8k model.num_layers=8 --rounds 1 --steps 4 --warmup 2 --variant "
         'now=MOE_LC_SHORT_CONV_TUNING=fused_bwd=0 --variant r1f="MOE_LC_SHORT_CONV_TUNING=rows=1,fwd_bc=256,fwd_warps=2,'
         'fused_bc=256,fused_warps=2" --variant fb=',
+        "python benchmarks/bench_depth_mixture.py --pre-norm --no-compile --sources 2,4,6 --rep-ms 30 --variants "
+        '"bwd_resident_maxnreg=128;fwd_resident_per_sm=3,fwd_resident_maxnreg=80;fwd_resident_cols_per_warp=512,'
+        "fwd_resident_per_sm=4;bwd_resident_cols_per_warp=512,bwd_resident_per_sm=2;fwd_resident_cols_per_warp=512,"
+        'fwd_resident_per_sm=4,bwd_resident_maxnreg=128"',
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=11 --rounds 1 --steps 4 --warmup 2 --variant "
+        "base=@.base --variant new= --variant newdm=MOE_LC_DEPTH_MIXTURE_TUNING=bwd_resident_maxnreg=128,"
+        "fwd_resident_cols_per_warp=512,fwd_resident_per_sm=4",
     )},
     # launch/ comments
     "bash launch/train_single_node.sh recipe=proxy-8k": Run(PROXY + " run_dir=runs/proxy-8k", env="MAX_RESTARTS=0"),
