@@ -47,7 +47,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x log2(e)): one instruction, where tl.exp takes five
+from moe_lc_kernels.fast_math_triton import exp_neg
 
 
 @triton.jit
@@ -167,7 +167,7 @@ def _softmax_weights(logits, S: tl.constexpr):
     exps = ()
     total = 0.0
     for i in tl.static_range(S):
-        exps = exps + (tl.exp2((logits[i] - top) * LOG2E),)
+        exps = exps + (exp_neg(top - logits[i]),)
         total += exps[i]
     inv_total = 1.0 / total
     a = ()
