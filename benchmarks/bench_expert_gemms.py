@@ -8,6 +8,7 @@ casting the stacked weights to bf16 as autocast does.
 
     python benchmarks/bench_expert_gemms.py [--preset k3-small] [--tokens 8192] [--repeats 20]
     python benchmarks/bench_expert_gemms.py --stacking --tokens 16384      # bf16 only, no torchao needed
+    python benchmarks/bench_expert_gemms.py --orientations --tokens 16384  # bf16 only
 
 Rows: each of the three GEMMs forward, and forward + backward (dx and dW), then the whole GLU
 (three GEMMs, SiTU, and for float8 the padding) forward + backward; milliseconds of GPU time per
@@ -19,6 +20,12 @@ torchao.
 the weights stacked ([E, 2h, l], what the training step runs), with the weights stored [E, N, K]
 (passed transposed) or [E, K, N], and the output GEMM, against a dense GEMM of the stacked shape:
 ms and TFLOP/s forward and forward + backward.
+
+``--orientations`` times, in bf16, each of the six grouped GEMMs a training step runs per MoE layer
+(``moe_lc/ops/grouped_experts.py``: the stacked gate/input and the output GEMM, each forward, input
+gradient and weight gradient) as the step calls it, beside the same product asked for the other way
+round: the weight gradient transposed (``x^T dy`` for ``dy^T x``), the weight operand laid out the
+other way. Which of them CUTLASS's tiles fit (an 896-wide side is 3.5 tiles of 256) is what decides.
 
 ``--batched`` times the stacked gate/input GEMM and the output GEMM as ``torch._grouped_mm`` runs them
 against a batched GEMM (``torch.bmm``) over every expert's rows padded to one capacity: the largest
@@ -115,6 +122,40 @@ def stacking_table(experts: int, width: int, hidden: int, rows: int, offsets: to
           f"{2 * rows * width * 2 * hidden / dense / 1e9:.1f} TFLOP/s")
 
 
+def orientations_table(experts: int, width: int, hidden: int, rows: int, offsets: torch.Tensor,
+                       repeats: int) -> None:
+    """The six grouped GEMMs of a MoE layer's step, each as the step runs it and the other way round."""
+    dev, bf16 = offsets.device, torch.bfloat16
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=dev, dtype=bf16)
+
+    def gmm(a: torch.Tensor, b: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return lambda: torch._grouped_mm(a, b, offs=offsets)
+
+    x, dy, h, dout = rand(rows, width), rand(rows, 2 * hidden), rand(rows, hidden), rand(rows, width)
+    w_gi, w_o = rand(experts, 2 * hidden, width), rand(experts, width, hidden)  # as stored: [E, N, K]
+    w_gi_t, w_o_t = w_gi.transpose(-2, -1).contiguous(), w_o.transpose(-2, -1).contiguous()  # [E, K, N]
+    cases = [  # (GEMM, how, call, FLOPs)
+        ("gate/input forward", "x W^T, W [E,N,K] (the step)", gmm(x, w_gi.transpose(-2, -1)), width * 2 * hidden),
+        ("gate/input forward", "x W, W stored [E,K,N]", gmm(x, w_gi_t), width * 2 * hidden),
+        ("gate/input dx", "dy W, W [E,N,K] (the step)", gmm(dy, w_gi), width * 2 * hidden),
+        ("gate/input dx", "dy W, W stored [E,K,N]", gmm(dy, w_gi_t.transpose(-2, -1)), width * 2 * hidden),
+        ("gate/input dW", "dy^T x -> [E,2h,l] (the step)", gmm(dy.t(), x), width * 2 * hidden),
+        ("gate/input dW", "x^T dy -> [E,l,2h]", gmm(x.t(), dy), width * 2 * hidden),
+        ("output forward", "h W^T, W [E,N,K] (the step)", gmm(h, w_o.transpose(-2, -1)), width * hidden),
+        ("output forward", "h W, W stored [E,K,N]", gmm(h, w_o_t), width * hidden),
+        ("output dh", "dout W, W [E,N,K] (the step)", gmm(dout, w_o), width * hidden),
+        ("output dh", "dout W, W stored [E,K,N]", gmm(dout, w_o_t.transpose(-2, -1)), width * hidden),
+        ("output dW", "dout^T h -> [E,l,h] (the step)", gmm(dout.t(), h), width * hidden),
+        ("output dW", "h^T dout -> [E,h,l]", gmm(h.t(), dout), width * hidden),
+    ]
+    print(f"{'GEMM':<20} {'how':<32} {'ms':>7} {'TFLOP/s':>8}")
+    for name, how, call, per_row in cases:
+        ms = gpu_ms(call, repeats)
+        print(f"{name:<20} {how:<32} {ms:7.3f} {2 * rows * per_row / ms / 1e9:8.1f}")
+
+
 def batched_table(experts: int, width: int, hidden: int, counts: torch.Tensor, repeats: int,
                   dev: torch.device) -> None:
     """Grouped against capacity-padded batched GEMMs, stacked gate/input and output (bf16, [E, N, K] weights)."""
@@ -150,6 +191,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--stacking", action="store_true", help="the gate and input GEMMs split or stacked (bf16)")
     p.add_argument("--batched", action="store_true", help="grouped against capacity-padded batched GEMMs (bf16)")
+    p.add_argument("--orientations", action="store_true", help="each of a layer's six grouped GEMMs, both ways round")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_expert_gemms.py: needs a CUDA GPU", file=sys.stderr)
@@ -164,6 +206,10 @@ def main(argv=None) -> int:
     if args.stacking:
         print(header)
         stacking_table(E, d, h, rows, offsets, args.repeats)
+        return 0
+    if args.orientations:
+        print(header)
+        orientations_table(E, d, h, rows, offsets, args.repeats)
         return 0
     if args.batched:
         print(header)
