@@ -269,6 +269,11 @@ COMMANDS: dict[str, object] = {
         "python benchmarks/bench_ab.py k3-small-8k model.num_layers=11 --rounds 1 --steps 4 --warmup 2 --variant "
         "base=@.base --variant new= --variant newdm=MOE_LC_DEPTH_MIXTURE_TUNING=bwd_resident_maxnreg=128,"
         "fwd_resident_cols_per_warp=512,fwd_resident_per_sm=4",
+        "moe-lc bench k3-small-8k model.num_layers=11 --steps 4 --warmup 3 --trace DIR",
+        "python benchmarks/bench_expert_gemms.py --orientations --tokens 16384",
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=11 --rounds 1 --steps 4 --warmup 2 --variant after= "
+        "--variant before=@.base --variant dm_bwd_uncapped=MOE_LC_DEPTH_MIXTURE_TUNING=bwd_resident_maxnreg=0,"
+        "bwd_resident_per_sm=1",
     )},
     # launch/ comments
     "bash launch/train_single_node.sh recipe=proxy-8k": Run(PROXY + " run_dir=runs/proxy-8k", env="MAX_RESTARTS=0"),
