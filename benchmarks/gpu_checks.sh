@@ -103,6 +103,8 @@ step bench_k3_small_8k_one_row python -m moe_lc.cli bench k3-small-8k model.kda.
     --json "$OUT/bench_k3_small_8k_one_row.json"
 # the routed experts' grouped GEMMs, bf16 against float8, per GEMM (docs/performance.md §12.3)
 step expert_gemms python benchmarks/bench_expert_gemms.py
+# each of a MoE layer's six grouped GEMMs as the step runs it and the other way round (docs/performance.md §12.26)
+step expert_gemms_orientations python benchmarks/bench_expert_gemms.py --orientations --tokens 16384
 # the gate and input GEMMs split or stacked into one (bf16), and the step without the kept KDA states
 step expert_gemms_stacking python benchmarks/bench_expert_gemms.py --stacking --tokens 16384
 step bench_k3_small_8k_no_kda_states python -m moe_lc.cli bench k3-small-8k $S.activation_checkpointing.kda_states=false \
