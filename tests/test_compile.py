@@ -178,6 +178,33 @@ def test_a_training_moe_layer_is_one_graph_with_its_experts(checkpointing, monke
     torch._dynamo.reset()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("preset", ["tiny", "k3-small"])
+def test_a_training_moe_layer_is_one_graph_on_the_gpu(preset):
+    """The test above on a CUDA GPU, where every fast path is taken (the grouped GEMM, the Triton
+    permutation and SiTU custom ops, autocast on CUDA), at the tiny config and at k3-small's layer
+    shapes (two of its layers, 256 tokens): the CPU test cannot see a break that only these paths
+    make. Dynamo's counters name each break."""
+    import dataclasses
+
+    from moe_lc.model.moe import reuse_weight_casts
+    from moe_lc.presets import get_preset
+
+    torch._dynamo.reset()
+    cfg = tiny(num_layers=3, layer_pattern="KKM") if preset == "tiny" else dataclasses.replace(
+        get_preset(preset), num_layers=2, layer_pattern="KM")
+    model = build_model(cfg, device="cuda", seed=0)
+    apply_compile(model, RegionalCompile(enabled=True, targets=["moe"]))
+    ids = torch.randint(0, cfg.vocab_size, (2, 1, 257), generator=torch.Generator().manual_seed(3)).cuda()
+    torch._dynamo.utils.counters.clear()
+    with reuse_weight_casts(model), torch.autocast("cuda", dtype=torch.bfloat16):
+        for micro_batch in ids:
+            model(micro_batch[:, :-1], labels=micro_batch[:, 1:], return_logits=False).loss.backward()
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # every MoE layer shares the one graph
+    torch._dynamo.reset()
+
+
 @needs_cxx
 @pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
 def test_a_compiled_moe_layer_routes_balances_and_combines_as_the_eager_one_and_compiles_once(checkpointing):

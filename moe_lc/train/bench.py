@@ -21,7 +21,8 @@ Numbers (printed by rank 0; `--json PATH` writes them all):
 - breakdown: time per model component in the profiled step (`moe_lc.metrics.breakdown`: kernel
   time on a GPU, and the host's wall time beside it, Python and launches included) and the share
   of the step in which the device ran nothing; on a GPU also the idle share of one
-  whole step traced with the GPU's activity only (what waits for the host);
+  whole step traced with the GPU's activity only (what waits for the host), measured before the
+  profiled step, whose components' ranges split the compiled MoE layers' graphs for good;
 - plan (on GPUs): `moe-lc plan`'s step time and peak memory for the same stage and layout, and the
   measured / planned ratios, so that every bench run is a calibration point of the planner.
 """
@@ -190,30 +191,37 @@ def _bench(cfg: TrainConfig, runtime: Runtime, steps: int, warmup: int, profiled
     allocator = None if before is None else {name: (after[name] - before[name]) / steps for name in before}
     profile_result = None
     if profiled:
-        small = profiling_plan(plan)
-        small_data = build_stage_data(small, cfg.data, cfg.model.vocab_size, cfg.seed, sync=runtime.rank0_first)
+        # The steps that measure the host's share run first, as training runs: the component ranges of
+        # the profiled step below are hooks that break every compiled MoE layer's graph, and Dynamo
+        # keeps running the split entry it compiled for them after they are removed (a MoE layer's
+        # forward then enters seven compiled regions, not one: docs/performance.md §12.26).
         first = plan.start_step + count
-        profiled_steps = run_steps(state, small_data, range(first, first + PROFILER_WARMUP_STEPS + PROFILED_STEPS),
-                                   0, total_steps(plans), cfg.optim, runtime, gc_every=cfg.gc.every)
-        with contextlib.closing(profiled_steps):
-            profile_result = _profile(profiled_steps, state.model, device, show, small.grad_accum,
-                                      _trace_prefix(trace_dir, runtime))
+        full_idle = None
         if device.type == "cuda":
-            first += PROFILER_WARMUP_STEPS + PROFILED_STEPS
             full_data = build_stage_data(plan, cfg.data, cfg.model.vocab_size, cfg.seed, sync=runtime.rank0_first)
             full_steps = run_steps(state, full_data, range(first, first + PROFILER_WARMUP_STEPS + 1), 0, total_steps(plans),
                                    cfg.optim, runtime, gc_every=cfg.gc.every)
             with contextlib.closing(full_steps):
-                profile_result.full_step_idle_share = _full_step_idle_share(full_steps, show)
+                full_idle = _full_step_idle_share(full_steps, show)
+            first += PROFILER_WARMUP_STEPS + 1
             prefix = _trace_prefix(trace_dir, runtime)
             if prefix is not None:
-                first += PROFILER_WARMUP_STEPS + 1
                 two = profiling_plan(plan, micro_batches=min(plan.grad_accum, 2))
                 gap_data = build_stage_data(two, cfg.data, cfg.model.vocab_size, cfg.seed, sync=runtime.rank0_first)
                 gap_steps = run_steps(state, gap_data, range(first, first + PROFILER_WARMUP_STEPS + 1), 0,
                                       total_steps(plans), cfg.optim, runtime, gc_every=cfg.gc.every)
                 with contextlib.closing(gap_steps):
                     _write_gaps(gap_steps, show, prefix)
+                first += PROFILER_WARMUP_STEPS + 1
+        small = profiling_plan(plan)
+        small_data = build_stage_data(small, cfg.data, cfg.model.vocab_size, cfg.seed, sync=runtime.rank0_first)
+        profiled_steps = run_steps(state, small_data, range(first, first + PROFILER_WARMUP_STEPS + PROFILED_STEPS),
+                                   0, total_steps(plans), cfg.optim, runtime, gc_every=cfg.gc.every)
+        with contextlib.closing(profiled_steps):
+            profile_result = _profile(profiled_steps, state.model, device, show, small.grad_accum,
+                                      _trace_prefix(trace_dir, runtime))
+        if full_idle is not None:
+            profile_result.full_step_idle_share = full_idle
     result = _result(cfg, plan, runtime, timed, wall, warmup, matmul_peak, profile_result)
     planned = (planned_step_and_peak(cfg, plan, result.keys_per_token, torch.cuda.get_device_name(device))
                if device.type == "cuda" else (None, None))
