@@ -120,7 +120,8 @@ def _grouped_mm_runs_here() -> bool:
     return True
 
 
-def _expert_calls(model: nn.Module, ids: torch.Tensor, monkeypatch) -> tuple[torch.Tensor, dict, int]:
+def _expert_calls(model: nn.Module, ids: torch.Tensor, monkeypatch,
+                  device_type: str = "cpu") -> tuple[torch.Tensor, dict, int]:
     """One step of two micro-batches under bf16 autocast on the step's weight copies (training as the
     trainer runs it): the loss of the last, the fp32 gradients, and how often the routed experts' op
     computed its forward (its activation, counted where the op's own code calls it)."""
@@ -131,7 +132,7 @@ def _expert_calls(model: nn.Module, ids: torch.Tensor, monkeypatch) -> tuple[tor
     activation = grouped_experts.glu_activation_stacked
     monkeypatch.setattr(grouped_experts, "glu_activation_stacked", lambda *a, **k: calls.append(1) or activation(*a, **k))
     model.zero_grad(set_to_none=True)
-    with reuse_weight_casts(model), torch.autocast("cpu", dtype=torch.bfloat16):
+    with reuse_weight_casts(model), torch.autocast(device_type, dtype=torch.bfloat16):
         for micro_batch in ids:
             out = model(micro_batch[:, :-1], labels=micro_batch[:, 1:], return_logits=False)
             out.loss.backward()
@@ -180,14 +181,13 @@ def test_a_training_moe_layer_is_one_graph_with_its_experts(checkpointing, monke
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("preset", ["tiny", "k3-small"])
-def test_a_training_moe_layer_is_one_graph_on_the_gpu(preset):
+def test_a_training_moe_layer_is_one_graph_on_the_gpu(preset, monkeypatch):
     """The test above on a CUDA GPU, where every fast path is taken (the grouped GEMM, the Triton
     permutation and SiTU custom ops, autocast on CUDA), at the tiny config and at k3-small's layer
     shapes (two of its layers, 256 tokens): the CPU test cannot see a break that only these paths
     make. Dynamo's counters name each break."""
     import dataclasses
 
-    from moe_lc.model.moe import reuse_weight_casts
     from moe_lc.presets import get_preset
 
     torch._dynamo.reset()
@@ -197,9 +197,7 @@ def test_a_training_moe_layer_is_one_graph_on_the_gpu(preset):
     apply_compile(model, RegionalCompile(enabled=True, targets=["moe"]))
     ids = torch.randint(0, cfg.vocab_size, (2, 1, 257), generator=torch.Generator().manual_seed(3)).cuda()
     torch._dynamo.utils.counters.clear()
-    with reuse_weight_casts(model), torch.autocast("cuda", dtype=torch.bfloat16):
-        for micro_batch in ids:
-            model(micro_batch[:, :-1], labels=micro_batch[:, 1:], return_logits=False).loss.backward()
+    _expert_calls(model, ids, monkeypatch, "cuda")
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # every MoE layer shares the one graph
     torch._dynamo.reset()
