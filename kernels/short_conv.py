@@ -89,9 +89,9 @@ class _ShortConvFunction(torch.autograd.Function):
                 kt.short_conv_fwd_kernel[grid](xg, wg, pos_arg, y, T, width, C, width, W=W, BT=bt, BC=bc,
                                                HAS_DOCS=has_docs, SILU=silu, num_warps=warps)
             else:  # no output gradient to read: x stands in for it
-                kt.short_conv_rows_kernel[grid](xg, wg, pos_arg, xg, y, T, width, C, width, width, W=W, BT=bt, R=step,
-                                                BC=bc, HAS_DOCS=has_docs, SILU=silu, SILU_GRAD=False,
-                                                num_warps=warps)
+                kt.short_conv_rows_kernel[grid](xg, wg, pos_arg, xg, y, T, width, XS=C, YS=C, OS=width, W=W, BT=bt,
+                                                R=step, BC=bc, HAS_DOCS=has_docs, SILU=silu, SILU_GRAD=False,
+                                                EVEN_C=width % bc == 0, num_warps=warps)
         ctx.save_for_backward(x, weight, pos)
         ctx.silu, ctx.pieces = silu, pieces
         return ys[0] if pieces == 1 else tuple(ys)
@@ -118,9 +118,9 @@ class _ShortConvFunction(torch.autograd.Function):
             dw_part = torch.empty(B * t_blocks, W, C, device=x.device, dtype=torch.float32)
             for g, (xg, wg, dout) in enumerate(zip(_pieces(x, ctx.pieces), weight.split(width), douts)):
                 kt.short_conv_bwd_rows_kernel[(t_blocks, triton.cdiv(width, bc), B)](
-                    xg, wg, pos_arg, dout, dx[..., g * width:], dw_part[:, :, g * width:], T, width, C, width, C, W=W,
+                    xg, wg, pos_arg, dout, dx[..., g * width:], dw_part[:, :, g * width:], T, width, XS=C, GS=width, DWS=C, W=W,
                     BT=bt, R=_rows_per_step(bt), BC=bc, HAS_DOCS=has_docs,
-                    SILU_GRAD=True, num_warps=warps)
+                    SILU_GRAD=True, EVEN_C=width % bc == 0, num_warps=warps)
             return dx, dw_part.sum(0).t().contiguous().to(weight.dtype), None, None, None
         bt, bc, warps = _blocks(T, C, "bwd")
         t_blocks = triton.cdiv(T, bt)
@@ -140,9 +140,9 @@ class _ShortConvFunction(torch.autograd.Function):
                     kt.short_conv_bwd_silu_kernel[grid](xg, wg, pos_arg, dout, dyg, T, width, C, width, W=W, BT=fbt,
                                                         BC=fbc, HAS_DOCS=has_docs, num_warps=fwarps)
                 else:
-                    kt.short_conv_rows_kernel[grid](xg, wg, pos_arg, dout, dyg, T, width, C, width, C, W=W, BT=fbt,
-                                                    R=fstep, BC=fbc, HAS_DOCS=has_docs, SILU=True, SILU_GRAD=True,
-                                                    num_warps=fwarps)
+                    kt.short_conv_rows_kernel[grid](xg, wg, pos_arg, dout, dyg, T, width, XS=C, YS=width, OS=C, W=W,
+                                                    BT=fbt, R=fstep, BC=fbc, HAS_DOCS=has_docs, SILU=True,
+                                                    SILU_GRAD=True, EVEN_C=width % fbc == 0, num_warps=fwarps)
         else:
             dy = torch.cat(douts, dim=-1).to(x.dtype)
         grid = (t_blocks, triton.cdiv(C, bc), B)
@@ -150,9 +150,9 @@ class _ShortConvFunction(torch.autograd.Function):
             kt.short_conv_bwd_kernel[grid](x, weight, pos_arg, dy, dx, dw_part, T, C, W=W, BT=bt, BC=bc,
                                            HAS_DOCS=has_docs, num_warps=warps)
         else:
-            kt.short_conv_bwd_rows_kernel[grid](x, weight, pos_arg, dy, dx, dw_part, T, C, C, C, C, W=W,
-                                                BT=bt, R=step, BC=bc,
-                                                HAS_DOCS=has_docs, SILU_GRAD=False, num_warps=warps)
+            kt.short_conv_bwd_rows_kernel[grid](x, weight, pos_arg, dy, dx, dw_part, T, C, XS=C, GS=C, DWS=C, W=W,
+                                                BT=bt, R=step, BC=bc, HAS_DOCS=has_docs, SILU_GRAD=False,
+                                                EVEN_C=C % bc == 0, num_warps=warps)
         dweight = dw_part.sum(0).t().contiguous().to(weight.dtype)
         return dx, dweight, None, None, None
 

@@ -132,9 +132,12 @@ def short_conv_bwd_kernel(x, w, pos, dy, dx, dw_part, T, C, W: tl.constexpr, BT:
 # The row kernels: the same three results, each program walking its BT rows R at a time, every row a
 # [BC] tensor of its own. The W shifted reads of a [BT, BC] tile above are W loads of overlapping
 # rows in flight at once, which the SM's L1 does not merge: each reaches L2, so x (and dy) cross L2
-# about W times. Here a step of R rows loads its R new rows and the W - 1 before them (the previous
-# step's last rows, already in L1) once each, and a shifted row is another tuple element: x crosses
-# L2 (R + W - 1) / R times at a program's first step and about once after it.
+# about W times. Here a step loads only its R new rows; the W - 1 rows of x (and, backward, of dy) it
+# shares with the step before are carried over in registers, so each row is loaded once and the
+# backward forms each row's dy once. Most steps lie inside one document and inside [0, T): they run
+# without masks, at compile-time row strides (each row's offset is the load's immediate), which took
+# the one-pass backward's step of 8 rows from ~1,300 to ~500 sm_90 instructions a warp
+# (benchmarks/sass_audit.py); a step at a document start or an end of the row tests every row.
 
 
 @triton.jit
@@ -143,18 +146,6 @@ def _row_mask(c, c_in, t, T):
     interpreter a step's row index is a Python int)."""
     rows = t + tl.zeros_like(c)
     return c_in & (rows >= 0) & (rows < T)
-
-
-@triton.jit
-def _row_tuple(ptr, row0, t_first, n: tl.constexpr, c, c_in, T, RS):
-    """Rows t_first .. t_first + n - 1 (of the batch row starting at row0, rows RS apart), fp32 [BC]
-    each, 0 outside [0, T)."""
-    rows = ()
-    for i in tl.static_range(n):
-        t = t_first + i
-        offs = (row0 + t).to(tl.int64) * RS + c
-        rows = rows + (tl.load(ptr + offs, mask=_row_mask(c, c_in, t, T), other=0.0).to(tl.float32),)
-    return rows
 
 
 @triton.jit
@@ -181,83 +172,234 @@ def _tap_weights(w, c, c_in, W: tl.constexpr):
 
 
 @triton.jit
-def _conv_row(xs, taps, p, r: tl.constexpr, W: tl.constexpr):
-    """The pre-activation of the step's row r, from xs (the step's rows from W - 1 before its first)."""
-    acc = taps[0] * xs[r + W - 1]
+def _load_row(ptr, row0, t, RS: tl.constexpr, c, c_in, T, MASKED: tl.constexpr, EVEN_C: tl.constexpr):
+    """Row t (of the batch row starting at row0, rows RS apart), channels c, fp32, 0 outside [0, T)."""
+    offs = (row0 + t).to(tl.int64) * RS + c
+    return tl.load(ptr + offs, mask=_row_mask(c, c_in, t, T), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rows_from(ptrs, i: tl.constexpr, RS: tl.constexpr, c_in, EVEN_C: tl.constexpr):
+    """Row i below the rows ``ptrs`` point at (RS a compile-time stride: the offset is the load's immediate),
+    fp32; the caller has checked the row is in range."""
+    if EVEN_C:
+        return tl.load(ptrs + i * RS).to(tl.float32)
+    else:
+        return tl.load(ptrs + i * RS, mask=c_in, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _conv_row_in(xs, taps, p, i: tl.constexpr, W: tl.constexpr, MASKED: tl.constexpr):
+    """The pre-activation of the row at xs[i + W - 1] (xs: consecutive rows), taps past its document
+    start dropped where MASKED."""
+    acc = taps[0] * xs[i + W - 1]
     for j in tl.static_range(1, W):
-        acc += tl.where(p >= j, taps[j] * xs[r + W - 1 - j], 0.0)
+        if MASKED:
+            acc += tl.where(p >= j, taps[j] * xs[i + W - 1 - j], 0.0)
+        else:
+            acc += taps[j] * xs[i + W - 1 - j]
     return acc
 
 
 @triton.jit
-def short_conv_rows_kernel(x, w, pos, dout, out, T, C, XS, YS, OS, W: tl.constexpr, BT: tl.constexpr, R: tl.constexpr,
-                           BC: tl.constexpr, HAS_DOCS: tl.constexpr, SILU: tl.constexpr, SILU_GRAD: tl.constexpr):
+def _fwd_rows_step(x, pos, dout, out, row0, s, xs_below, taps, c, c_in, T, XS: tl.constexpr, YS: tl.constexpr,
+                   OS: tl.constexpr, W: tl.constexpr, R: tl.constexpr, HAS_DOCS: tl.constexpr, SILU: tl.constexpr,
+                   SILU_GRAD: tl.constexpr, MASKED: tl.constexpr, EVEN_C: tl.constexpr):
+    """Rows [s, s + R) of ``short_conv_rows_kernel``, from x's rows [s - W + 1, s) carried up in xs_below;
+    returns x's rows [s + R - W + 1, s + R) for the step above. MASKED as in ``_bwd_rows_step``."""
+    x_rows = x + (row0 + s).to(tl.int64) * XS + c
+    g_rows = dout + (row0 + s).to(tl.int64) * YS + c
+    out_rows = out + (row0 + s).to(tl.int64) * OS + c
+    xs = xs_below
+    for i in tl.static_range(R):
+        if MASKED:
+            xs = xs + (_load_row(x, row0, s + i, XS, c, c_in, T, MASKED, EVEN_C),)
+        else:
+            xs = xs + (_rows_from(x_rows, i, XS, c_in, EVEN_C),)
+    ps = ()
+    if MASKED:
+        ps = _position_tuple(pos, s, R, T, HAS_DOCS)
+    else:
+        for i in tl.static_range(R):
+            ps = ps + (0,)
+    for r in tl.static_range(R):
+        acc = _conv_row_in(xs, taps, ps[r], r, W, MASKED)
+        if SILU_GRAD:
+            if MASKED:
+                g = _load_row(dout, row0, s + r, YS, c, c_in, T, MASKED, EVEN_C)
+            else:
+                g = _rows_from(g_rows, r, YS, c_in, EVEN_C)
+            acc = _silu_grad(g, acc)
+        elif SILU:
+            acc = _silu(acc)
+        if MASKED:
+            t = s + r
+            tl.store(out + (row0 + t).to(tl.int64) * OS + c, acc.to(out.dtype.element_ty), mask=_row_mask(c, c_in, t, T))
+        elif EVEN_C:
+            tl.store(out_rows + r * OS, acc.to(out.dtype.element_ty))
+        else:
+            tl.store(out_rows + r * OS, acc.to(out.dtype.element_ty), mask=c_in)
+    xs_above = ()
+    for i in tl.static_range(W - 1):
+        xs_above = xs_above + (xs[R + i],)
+    return xs_above
+
+
+@triton.jit
+def short_conv_rows_kernel(x, w, pos, dout, out, T, C, XS: tl.constexpr, YS: tl.constexpr, OS: tl.constexpr,
+                           W: tl.constexpr, BT: tl.constexpr, R: tl.constexpr, BC: tl.constexpr,
+                           HAS_DOCS: tl.constexpr, SILU: tl.constexpr, SILU_GRAD: tl.constexpr, EVEN_C: tl.constexpr):
     """``short_conv_fwd_kernel``'s y (rows OS apart), or with SILU_GRAD ``short_conv_bwd_silu_kernel``'s dy
-    (dout's rows YS apart, dy's OS), R rows a step."""
+    (dout's rows YS apart, dy's OS), R rows a step from the program's first row up, the W - 1 rows of x
+    before a step carried up from the step below (each row of x loaded once). A step whose rows and
+    the W - 1 before them are in [0, T) and in one document runs without masks (a uniform branch)."""
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     c_in = c < C
     row0 = tl.program_id(2) * T
     taps = _tap_weights(w, c, c_in, W)
-    for start in range(tl.program_id(0) * BT, tl.minimum(tl.program_id(0) * BT + BT, T), R):
-        xs = _row_tuple(x, row0, start - (W - 1), R + W - 1, c, c_in, T, XS)
-        ps = _position_tuple(pos, start, R, T, HAS_DOCS)
-        for r in tl.static_range(R):
-            t = start + r
-            ok = _row_mask(c, c_in, t, T)
-            offs = (row0 + t).to(tl.int64)
-            acc = _conv_row(xs, taps, ps[r], r, W)
-            if SILU_GRAD:
-                acc = _silu_grad(tl.load(dout + offs * YS + c, mask=ok, other=0.0).to(tl.float32), acc)
-            elif SILU:
-                acc = _silu(acc)
-            tl.store(out + offs * OS + c, acc.to(out.dtype.element_ty), mask=ok)
+    lo = tl.program_id(0) * BT
+    xs_below = ()
+    for i in tl.static_range(W - 1):
+        xs_below = xs_below + (_load_row(x, row0, lo - (W - 1) + i, XS, c, c_in, T, True, EVEN_C),)
+    for k in range(tl.cdiv(tl.minimum(BT, T - lo), R)):
+        s = lo + k * R
+        fast = (s >= W - 1) & (s + R <= T)
+        if HAS_DOCS:
+            first = tl.load(pos + s, mask=fast, other=0)
+            last = tl.load(pos + s + R - 1, mask=fast, other=0)
+            fast = fast & (first >= W - 1) & (last - first == R - 1)
+        if fast:
+            xs_below = _fwd_rows_step(x, pos, dout, out, row0, s, xs_below, taps, c, c_in, T, XS, YS, OS, W, R,
+                                      HAS_DOCS, SILU, SILU_GRAD, False, EVEN_C)
+        else:
+            xs_below = _fwd_rows_step(x, pos, dout, out, row0, s, xs_below, taps, c, c_in, T, XS, YS, OS, W, R,
+                                      HAS_DOCS, SILU, SILU_GRAD, True, EVEN_C)
 
 
 @triton.jit
-def short_conv_bwd_rows_kernel(x, w, pos, g_in, dx, dw_part, T, C, XS, GS, DWS, W: tl.constexpr,
+def _bwd_rows_step(x, pos, g_in, dx, row0, s, xs_above, dys_above, taps, dw, c, c_in, T, XS: tl.constexpr, GS: tl.constexpr,
+                   W: tl.constexpr, R: tl.constexpr, HAS_DOCS: tl.constexpr, SILU_GRAD: tl.constexpr,
+                   MASKED: tl.constexpr, EVEN_C: tl.constexpr):
+    """Rows [s, s + R) of ``short_conv_bwd_rows_kernel``: dx stored, dweight's sums added to dw. xs_above
+    holds x's rows [s + R - W + 1, s + R) and dys_above dy's rows [s + R, s + R + W - 1), both from the
+    step above; returns the same two for the step below (x's rows [s - W + 1, s), dy's [s, s + W - 1))
+    and the new sums. MASKED: rows may fall outside [0, T) or past a document start; otherwise the
+    caller has checked that none does and every mask is dropped."""
+    # x's rows [s - W + 1, s + R): R new ones under the W - 1 carried down
+    x_rows = x + (row0 + s - (W - 1)).to(tl.int64) * XS + c
+    g_rows = g_in + (row0 + s).to(tl.int64) * GS + c
+    xs = ()
+    for i in tl.static_range(R):
+        if MASKED:
+            xs = xs + (_load_row(x, row0, s - (W - 1) + i, XS, c, c_in, T, MASKED, EVEN_C),)
+        else:
+            xs = xs + (_rows_from(x_rows, i, XS, c_in, EVEN_C),)
+    xs = xs + xs_above
+    ps = ()
+    if MASKED:
+        ps = _position_tuple(pos, s, R + W - 1, T, HAS_DOCS)
+    else:
+        for i in tl.static_range(R + W - 1):
+            ps = ps + (0,)
+    # dy of the step's rows, then dy's rows [s, s + R + W - 1)
+    dys = ()
+    for r in tl.static_range(R):
+        if MASKED:
+            g = _load_row(g_in, row0, s + r, GS, c, c_in, T, MASKED, EVEN_C)
+        else:
+            g = _rows_from(g_rows, r, GS, c_in, EVEN_C)
+        if SILU_GRAD:
+            g = _silu_grad(g, _conv_row_in(xs, taps, ps[r], r, W, MASKED))
+        dys = dys + (g,)
+    dys = dys + dys_above
+    summed = ()
+    for j in tl.static_range(W):
+        tap_sum = dw[j]
+        for r in tl.static_range(R):
+            # dweight: output row t read x[t - j] through tap j when pos[t] >= j
+            if MASKED:
+                tap_sum += tl.where(ps[r] >= j, dys[r] * xs[r + W - 1 - j], 0.0)
+            else:
+                tap_sum += dys[r] * xs[r + W - 1 - j]
+        summed = summed + (tap_sum,)
+    dx_rows = dx + (row0 + s).to(tl.int64) * XS + c
+    for r in tl.static_range(R):
+        # dx: output row t + j read x[t] through tap j when pos[t + j] >= j
+        acc = taps[0] * dys[r]
+        for j in tl.static_range(1, W):
+            if MASKED:
+                acc += tl.where(ps[r + j] >= j, taps[j] * dys[r + j], 0.0)
+            else:
+                acc += taps[j] * dys[r + j]
+        if MASKED:
+            t = s + r
+            offs = (row0 + t).to(tl.int64) * XS + c
+            tl.store(dx + offs, acc.to(dx.dtype.element_ty), mask=_row_mask(c, c_in, t, T))
+        elif EVEN_C:
+            tl.store(dx_rows + r * XS, acc.to(dx.dtype.element_ty))
+        else:
+            tl.store(dx_rows + r * XS, acc.to(dx.dtype.element_ty), mask=c_in)
+    xs_below = ()
+    dys_below = ()
+    for i in tl.static_range(W - 1):
+        xs_below = xs_below + (xs[i],)
+        dys_below = dys_below + (dys[i],)
+    return xs_below, dys_below, summed
+
+
+@triton.jit
+def short_conv_bwd_rows_kernel(x, w, pos, g_in, dx, dw_part, T, C, XS: tl.constexpr, GS: tl.constexpr, DWS, W: tl.constexpr,
                                BT: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, HAS_DOCS: tl.constexpr,
-                               SILU_GRAD: tl.constexpr):
+                               SILU_GRAD: tl.constexpr, EVEN_C: tl.constexpr):
     """``short_conv_bwd_kernel``'s dx and dweight partial sums (the same [programs, W, C] layout), R rows a
-    step, from dy for the step's first row to W - 1 past its last and x from W - 1 before it.
-    g_in is dy, or with SILU_GRAD the output gradient of y = silu(conv(x)): dy = dout * silu'(pre)
-    is then formed here (pre recomputed from x, W - 1 rows further back), so the whole backward is one
-    pass and dy never reaches memory; the W - 1 rows past a step are recomputed by the next step.
-    x's and dx's rows XS apart, g_in's GS, dw_part's [programs, W] rows DWS."""
+    step, from the program's last rows down. g_in is dy, or with SILU_GRAD the output
+    gradient of y = silu(conv(x)): dy = dout * silu'(pre) is then formed here (pre recomputed from x), so
+    the whole backward is one pass and dy never reaches memory.
+
+    Walking down, a step's dx needs dy W - 1 rows past its own and its pre-activations x W - 1 rows
+    before: the step above computed and loaded those, so they are carried down in registers and each
+    row is loaded, and its dy formed, once (the W - 1 rows past the program's last are formed once, at
+    its start). A step whose rows, and the W - 1 on either side, are in [0, T) and in one document runs
+    without masks (a uniform branch); the others test every row. x's and dx's rows XS apart, g_in's GS,
+    dw_part's [programs, W] rows DWS."""
     pid_t = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     c_in = c < C
     row0 = tl.program_id(2) * T
     taps = _tap_weights(w, c, c_in, W)
+    lo = pid_t * BT
+    n_steps = tl.cdiv(tl.minimum(BT, T - lo), R)
+    top = lo + n_steps * R  # one past the first step's rows
+    # carried into the first step: x's rows [top - W + 1, top) and dy's rows [top, top + W - 1)
+    xs = ()
+    for i in tl.static_range(2 * W - 2):
+        xs = xs + (_load_row(x, row0, top - (W - 1) + i, XS, c, c_in, T, True, EVEN_C),)
+    ps = _position_tuple(pos, top, W - 1, T, HAS_DOCS)
+    xs_above = ()
+    dys_above = ()
+    for i in tl.static_range(W - 1):
+        xs_above = xs_above + (xs[i],)
+        g = _load_row(g_in, row0, top + i, GS, c, c_in, T, True, EVEN_C)
+        if SILU_GRAD:
+            g = _silu_grad(g, _conv_row_in(xs, taps, ps[i], i, W, True))
+        dys_above = dys_above + (g,)
     dw = ()  # tap j's sum over this program's rows: W [BC] vectors in the rows' own layout (no exchange a step)
     for j in tl.static_range(W):
         dw = dw + (tl.zeros([BC], dtype=tl.float32),)
-    for start in range(pid_t * BT, tl.minimum(pid_t * BT + BT, T), R):
-        ps = _position_tuple(pos, start, R + W - 1, T, HAS_DOCS)
-        if SILU_GRAD:
-            xs = _row_tuple(x, row0, start - (W - 1), R + 2 * W - 2, c, c_in, T, XS)
-            gs = ()
-            for i in tl.static_range(R + W - 1):
-                t = start + i
-                g = tl.load(g_in + (row0 + t).to(tl.int64) * GS + c, mask=_row_mask(c, c_in, t, T), other=0.0)
-                gs = gs + (_silu_grad(g.to(tl.float32), _conv_row(xs, taps, ps[i], i, W)),)
+    for k in range(n_steps):
+        s = top - (k + 1) * R
+        fast = (s >= W - 1) & (s + R + W - 1 <= T)
+        if HAS_DOCS:
+            # positions in a document rise by one a row, and restart at 0 past a boundary
+            first = tl.load(pos + s, mask=fast, other=0)
+            last = tl.load(pos + s + R + W - 2, mask=fast, other=0)
+            fast = fast & (first >= W - 1) & (last - first == R + W - 2)
+        if fast:
+            xs_above, dys_above, dw = _bwd_rows_step(x, pos, g_in, dx, row0, s, xs_above, dys_above, taps, dw, c,
+                                                     c_in, T, XS, GS, W, R, HAS_DOCS, SILU_GRAD, False, EVEN_C)
         else:
-            xs = _row_tuple(x, row0, start - (W - 1), R + W - 1, c, c_in, T, XS)
-            gs = _row_tuple(g_in, row0, start, R + W - 1, c, c_in, T, GS)
-        summed = ()
-        for j in tl.static_range(W):
-            tap_sum = dw[j]
-            for r in tl.static_range(R):
-                # dweight: output row t read x[t - j] through tap j when pos[t] >= j
-                tap_sum += tl.where(ps[r] >= j, gs[r] * xs[r + W - 1 - j], 0.0)
-            summed = summed + (tap_sum,)
-        dw = summed
-        for r in tl.static_range(R):
-            # dx: output row t + j read x[t] through tap j when pos[t + j] >= j
-            acc = taps[0] * gs[r]
-            for j in tl.static_range(1, W):
-                acc += tl.where(ps[r + j] >= j, taps[j] * gs[r + j], 0.0)
-            t = start + r
-            tl.store(dx + (row0 + t).to(tl.int64) * XS + c, acc.to(dx.dtype.element_ty), mask=_row_mask(c, c_in, t, T))
+            xs_above, dys_above, dw = _bwd_rows_step(x, pos, g_in, dx, row0, s, xs_above, dys_above, taps, dw, c,
+                                                     c_in, T, XS, GS, W, R, HAS_DOCS, SILU_GRAD, True, EVEN_C)
     part = dw_part + (tl.program_id(2) * tl.num_programs(0) + pid_t).to(tl.int64) * (W * DWS)
     for j in tl.static_range(W):
         tl.store(part + (W - 1 - j) * DWS + c, dw[j], mask=c_in)

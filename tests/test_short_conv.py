@@ -184,6 +184,22 @@ def test_pieces_are_the_chunks_of_one_convolution(small_tiles, activation):
         assert_close(got, ref)
 
 
+def test_pieces_of_whole_channel_tiles_with_documents(small_tiles):
+    """Three pieces of 64 channels (two whole 32-channel tiles each: the row kernels then drop their
+    channel masks) with packed documents long enough for the backward's unmasked steps (no row outside
+    [0, T), no document start within a step's reach), against the float64 convolution's chunks."""
+    lens = DOC_LENS
+    x, w, dout = inputs(1, sum(lens), channels=192, seed=7)
+    cu = cu_of(lens)
+
+    def pieces(a, b, backend):
+        out = short_conv_pieces(a, b, 3, DocumentBounds.of(cu) if backend == "triton" else cu, backend=backend)
+        return torch.cat(out, dim=-1)
+
+    assert_close(run(lambda a, b: pieces(a, b, "triton"), x, w, dout),
+                 run(lambda a, b: pieces(a.double(), b.double(), "torch"), x, w, dout))
+
+
 def test_short_conv_module_passes_activation_and_backend(small_tiles):
     torch.manual_seed(0)
     conv = ShortConv(40, 4).to(DEVICE)
