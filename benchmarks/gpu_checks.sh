@@ -58,17 +58,19 @@ step compare_paths_router python benchmarks/compare_paths.py --recipe proxy-8k -
     curriculum.stages.ctx8k.global_batch_tokens=16384 curriculum.stages.ctx8k.micro_batch=1 \
     +curriculum.stages.ctx8k.activation_checkpointing.kda_states=true model.moe.router_backend=triton \
     --out "$OUT/compare_paths_router.json"
-# the short convolution's dx / dweight kernel at 64-row tiles (no register spill, §12.11) in the whole
-# step, interleaved against its default 128-row tiles (~8 minutes: STEP_TIMEOUT=580)
+# the short convolution's one-pass backward at 64-row programs (twice the programs, half the steps each)
+# in the whole step, interleaved against its default 128 (~8 minutes: STEP_TIMEOUT=580)
 step ab_short_conv python benchmarks/bench_ab.py k3-small-8k --variant base= \
-    --variant conv64=MOE_LC_SHORT_CONV_TUNING=bwd_bt=64 --rounds 2 --steps 5 --warmup 3 --out "$OUT/ab_short_conv.json"
-# the short convolution's row kernels (MOE_LC_SHORT_CONV_TUNING=rows=1, off by default, docs/performance.md
-# §8): their tests, the kernels at the model's shape against the tiles, and the step interleaved
+    --variant conv64=MOE_LC_SHORT_CONV_TUNING=fused_bt=64 --rounds 2 --steps 5 --warmup 3 --out "$OUT/ab_short_conv.json"
+# the short convolution's row kernels (rows carried between steps, unmasked steps inside a document,
+# docs/performance.md §8, §12.27): their tests, the kernels at the model's shape by launch choice (the
+# default: tile forward, one-pass row backward; the row forward at two widths; the backward at other
+# tiles), and the step with the row forward interleaved against the tiles
 step short_conv_rows_tests python -m pytest -q -rfEs -p no:cacheprovider tests/test_short_conv.py
 step short_conv_rows python benchmarks/bench_short_conv.py --shapes kda_qkv_B1_T16K_C6144_docs --repeats 40 \
-    --tuning ";rows=1,fwd_bc=256,fwd_warps=2,bwd_bc=256,bwd_warps=2;rows=1,fwd_bc=512,bwd_bc=512,bwd_bt=64;rows=1,fwd_bc=256,fwd_warps=2,bwd_bc=256,bwd_warps=2,bwd_bt=64;"
+    --tuning ";rows=1,fwd_bt=128,fwd_bc=256,fwd_warps=4;rows=1,fwd_bt=128,fwd_bc=256,fwd_warps=2;fused_bt=64;fused_bc=512,fused_warps=8;"
 step ab_short_conv_rows python benchmarks/bench_ab.py k3-small-8k --rounds 2 --steps 5 --warmup 3 --variant tiles= \
-    --variant rows=MOE_LC_SHORT_CONV_TUNING=rows=1,fwd_bc=256,fwd_warps=2,bwd_bc=256,bwd_warps=2 \
+    --variant rows=MOE_LC_SHORT_CONV_TUNING=rows=1,fwd_bt=128,fwd_bc=256,fwd_warps=4 \
     --out "$OUT/ab_short_conv_rows.json"
 # the proxy through the trainer on every GPU here, its stages unedited (one and two GPUs: issue 17)
 step train_proxy_8k torchrun --standalone --nproc-per-node "$(python -c 'import torch; print(torch.cuda.device_count())')" \
@@ -113,9 +115,6 @@ step bench_k3_small_8k_no_kda_states python -m moe_lc.cli bench k3-small-8k $S.a
 step grad_accumulation python benchmarks/bench_grad_accumulation.py
 # the short convolution's kernels at KDA's stacked q, k, v shape and the older reference shape (§8)
 step short_conv python benchmarks/bench_short_conv.py
-# the dx / dweight kernel spills at its default 128-row tiles (sm_90, Triton 3.9: §12.11), not at 64
-step short_conv_spill python benchmarks/bench_short_conv.py --shapes kda_qkv_B1_T16K_C6144_docs \
-    --tuning ';bwd_bt=64;bwd_bt=64,bwd_warps=8'
 # the padded per-document cuDNN attention against varlen, long and short documents (§11)
 step attention_padded python benchmarks/bench_attention.py --heads 16 --shapes T8K_docs2,T8K_docs8,T64K_docs24,T64K_docs64,T64K_docs256 \
     --variants varlen,padded --fresh 4 --out "$OUT"

@@ -136,7 +136,7 @@ def short_conv_bwd_kernel(x, w, pos, dy, dx, dw_part, T, C, W: tl.constexpr, BT:
 # shares with the step before are carried over in registers, so each row is loaded once and the
 # backward forms each row's dy once. Most steps lie inside one document and inside [0, T): they run
 # without masks, at compile-time row strides (each row's offset is the load's immediate), which took
-# the one-pass backward's step of 8 rows from ~1,300 to ~500 sm_90 instructions a warp
+# the one-pass backward's step of 8 rows from 1,417 to 508 sm_90 instructions a warp
 # (benchmarks/sass_audit.py); a step at a document start or an end of the row tests every row.
 
 
