@@ -34,7 +34,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # dy is never written) with its own tiles (``fused_*``), ``rows_r`` rows a step, whatever ``rows``
 # is. Measured on H100s (k3-small's step at 8 of its 20 layers, three calls): -0.73%, -0.67% and
 # -1.15% against the two-kernel backward; the row kernels in both passes with it -0.45%
-# (docs/performance.md §8, §12.21).
+# (docs/performance.md §8, §12.21). With rows carried between steps and steps inside a document unmasked
+# it ran 247 -> 92 us a launch in the step and took 1.3% off it (one H100, §12.27); the row forward
+# (``rows=1``) was no faster there.
 TUNING = dict(fwd_bt=64, fwd_bc=64, fwd_warps=4, bwd_bt=128, bwd_bc=64, bwd_warps=4, rows=0, rows_r=8, fused_bwd=1,
               fused_bt=128, fused_bc=256, fused_warps=4)
 TUNING.update(parse_launch_choices(os.environ.get("MOE_LC_SHORT_CONV_TUNING", ""), TUNING, "short conv"))
