@@ -274,6 +274,13 @@ COMMANDS: dict[str, object] = {
         "python benchmarks/bench_ab.py k3-small-8k model.num_layers=11 --rounds 1 --steps 4 --warmup 2 --variant after= "
         "--variant before=@.base --variant dm_bwd_uncapped=MOE_LC_DEPTH_MIXTURE_TUNING=bwd_resident_maxnreg=0,"
         "bwd_resident_per_sm=1",
+        'python -m pytest -q tests/test_short_conv.py "tests/test_compile.py::test_a_training_moe_layer_is_one_graph_on_the_gpu"',
+        'python benchmarks/bench_short_conv.py --shapes kda_qkv_B1_T16K_C6144_docs --repeats 40 --tuning ";rows=1,fwd_bt=128,'
+        'fwd_bc=256,fwd_warps=4;rows=1,fwd_bt=128,fwd_bc=256,fwd_warps=2;fused_bt=64;fused_bc=512,fused_warps=8;"',
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=11 --rounds 1 --steps 4 --warmup 2 --variant after= "
+        "--variant before=@.base --variant rowsfwd=MOE_LC_SHORT_CONV_TUNING=rows=1,fwd_bt=128,fwd_bc=256,fwd_warps=4",
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=11 --rounds 2 --steps 4 --warmup 2 --variant after= "
+        "--variant old=@.base2",
     )},
     # launch/ comments
     "bash launch/train_single_node.sh recipe=proxy-8k": Run(PROXY + " run_dir=runs/proxy-8k", env="MAX_RESTARTS=0"),
