@@ -172,20 +172,61 @@ def _tap_weights(w, c, c_in, W: tl.constexpr):
 
 
 @triton.jit
-def _load_row(ptr, row0, t, RS: tl.constexpr, c, c_in, T, MASKED: tl.constexpr, EVEN_C: tl.constexpr):
-    """Row t (of the batch row starting at row0, rows RS apart), channels c, fp32, 0 outside [0, T)."""
-    offs = (row0 + t).to(tl.int64) * RS + c
-    return tl.load(ptr + offs, mask=_row_mask(c, c_in, t, T), other=0.0).to(tl.float32)
+def _row_rows(ptr, row0, t, RS: tl.constexpr, c):
+    """Pointers to channels c of row t (of the batch row starting at row0, rows RS apart): a step's rows are
+    ``i * RS`` further, compile-time offsets that become the loads' immediates."""
+    return ptr + (row0 + t).to(tl.int64) * RS + c
 
 
 @triton.jit
-def _rows_from(ptrs, i: tl.constexpr, RS: tl.constexpr, c_in, EVEN_C: tl.constexpr):
-    """Row i below the rows ``ptrs`` point at (RS a compile-time stride: the offset is the load's immediate),
-    fp32; the caller has checked the row is in range."""
-    if EVEN_C:
-        return tl.load(ptrs + i * RS).to(tl.float32)
+def _load_step_row(rows, i: tl.constexpr, RS: tl.constexpr, t, c, c_in, T, MASKED: tl.constexpr,
+                   EVEN_C: tl.constexpr):
+    """Row i past ``rows`` (``_row_rows`` of row t - i), fp32: 0 outside [0, T) where MASKED; unmasked where
+    the caller has checked the row is in range (and every channel is, with EVEN_C)."""
+    if MASKED:
+        return tl.load(rows + i * RS, mask=_row_mask(c, c_in, t, T), other=0.0).to(tl.float32)
+    elif EVEN_C:
+        return tl.load(rows + i * RS).to(tl.float32)
     else:
-        return tl.load(ptrs + i * RS, mask=c_in, other=0.0).to(tl.float32)
+        return tl.load(rows + i * RS, mask=c_in, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_step_row(rows, i: tl.constexpr, RS: tl.constexpr, t, value, c, c_in, T, MASKED: tl.constexpr,
+                    EVEN_C: tl.constexpr):
+    """``_load_step_row``'s store: value into row i past ``rows`` (row t), in the rows' dtype."""
+    value = value.to(rows.dtype.element_ty)
+    if MASKED:
+        tl.store(rows + i * RS, value, mask=_row_mask(c, c_in, t, T))
+    elif EVEN_C:
+        tl.store(rows + i * RS, value)
+    else:
+        tl.store(rows + i * RS, value, mask=c_in)
+
+
+@triton.jit
+def _step_positions(pos, s, n: tl.constexpr, T, HAS_DOCS: tl.constexpr, MASKED: tl.constexpr):
+    """``_position_tuple`` of rows s .. s + n - 1 where MASKED; a step without masks never reads them."""
+    if MASKED:
+        return _position_tuple(pos, s, n, T, HAS_DOCS)
+    else:
+        ps = ()
+        for i in tl.static_range(n):
+            ps = ps + (0,)
+        return ps
+
+
+@triton.jit
+def _in_one_document(pos, s, n: tl.constexpr, T, W: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """Whether rows s .. s + n - 1 are in [0, T) and each is at least W - 1 rows past its document's start
+    (so the rows a step reads before them are in the document too): a step over them needs no mask.
+    Positions in a document rise by one a row and restart at 0 past a boundary, so both ends tell."""
+    inside = (s >= W - 1) & (s + n <= T)
+    if HAS_DOCS:
+        first = tl.load(pos + s, mask=inside, other=0)
+        last = tl.load(pos + s + n - 1, mask=inside, other=0)
+        inside = inside & (first >= W - 1) & (last - first == n - 1)
+    return inside
 
 
 @triton.jit
@@ -207,38 +248,20 @@ def _fwd_rows_step(x, pos, dout, out, row0, s, xs_below, taps, c, c_in, T, XS: t
                    SILU_GRAD: tl.constexpr, MASKED: tl.constexpr, EVEN_C: tl.constexpr):
     """Rows [s, s + R) of ``short_conv_rows_kernel``, from x's rows [s - W + 1, s) carried up in xs_below;
     returns x's rows [s + R - W + 1, s + R) for the step above. MASKED as in ``_bwd_rows_step``."""
-    x_rows = x + (row0 + s).to(tl.int64) * XS + c
-    g_rows = dout + (row0 + s).to(tl.int64) * YS + c
-    out_rows = out + (row0 + s).to(tl.int64) * OS + c
+    x_rows = _row_rows(x, row0, s, XS, c)
+    g_rows = _row_rows(dout, row0, s, YS, c)
+    out_rows = _row_rows(out, row0, s, OS, c)
     xs = xs_below
     for i in tl.static_range(R):
-        if MASKED:
-            xs = xs + (_load_row(x, row0, s + i, XS, c, c_in, T, MASKED, EVEN_C),)
-        else:
-            xs = xs + (_rows_from(x_rows, i, XS, c_in, EVEN_C),)
-    ps = ()
-    if MASKED:
-        ps = _position_tuple(pos, s, R, T, HAS_DOCS)
-    else:
-        for i in tl.static_range(R):
-            ps = ps + (0,)
+        xs = xs + (_load_step_row(x_rows, i, XS, s + i, c, c_in, T, MASKED, EVEN_C),)
+    ps = _step_positions(pos, s, R, T, HAS_DOCS, MASKED)
     for r in tl.static_range(R):
         acc = _conv_row_in(xs, taps, ps[r], r, W, MASKED)
         if SILU_GRAD:
-            if MASKED:
-                g = _load_row(dout, row0, s + r, YS, c, c_in, T, MASKED, EVEN_C)
-            else:
-                g = _rows_from(g_rows, r, YS, c_in, EVEN_C)
-            acc = _silu_grad(g, acc)
+            acc = _silu_grad(_load_step_row(g_rows, r, YS, s + r, c, c_in, T, MASKED, EVEN_C), acc)
         elif SILU:
             acc = _silu(acc)
-        if MASKED:
-            t = s + r
-            tl.store(out + (row0 + t).to(tl.int64) * OS + c, acc.to(out.dtype.element_ty), mask=_row_mask(c, c_in, t, T))
-        elif EVEN_C:
-            tl.store(out_rows + r * OS, acc.to(out.dtype.element_ty))
-        else:
-            tl.store(out_rows + r * OS, acc.to(out.dtype.element_ty), mask=c_in)
+        _store_step_row(out_rows, r, OS, s + r, acc, c, c_in, T, MASKED, EVEN_C)
     xs_above = ()
     for i in tl.static_range(W - 1):
         xs_above = xs_above + (xs[R + i],)
@@ -258,17 +281,13 @@ def short_conv_rows_kernel(x, w, pos, dout, out, T, C, XS: tl.constexpr, YS: tl.
     row0 = tl.program_id(2) * T
     taps = _tap_weights(w, c, c_in, W)
     lo = tl.program_id(0) * BT
+    x_rows = _row_rows(x, row0, lo - (W - 1), XS, c)
     xs_below = ()
     for i in tl.static_range(W - 1):
-        xs_below = xs_below + (_load_row(x, row0, lo - (W - 1) + i, XS, c, c_in, T, True, EVEN_C),)
+        xs_below = xs_below + (_load_step_row(x_rows, i, XS, lo - (W - 1) + i, c, c_in, T, True, EVEN_C),)
     for k in range(tl.cdiv(tl.minimum(BT, T - lo), R)):
         s = lo + k * R
-        fast = (s >= W - 1) & (s + R <= T)
-        if HAS_DOCS:
-            first = tl.load(pos + s, mask=fast, other=0)
-            last = tl.load(pos + s + R - 1, mask=fast, other=0)
-            fast = fast & (first >= W - 1) & (last - first == R - 1)
-        if fast:
+        if _in_one_document(pos, s, R, T, W, HAS_DOCS):
             xs_below = _fwd_rows_step(x, pos, dout, out, row0, s, xs_below, taps, c, c_in, T, XS, YS, OS, W, R,
                                       HAS_DOCS, SILU, SILU_GRAD, False, EVEN_C)
         else:
@@ -286,28 +305,18 @@ def _bwd_rows_step(x, pos, g_in, dx, row0, s, xs_above, dys_above, taps, dw, c, 
     and the new sums. MASKED: rows may fall outside [0, T) or past a document start; otherwise the
     caller has checked that none does and every mask is dropped."""
     # x's rows [s - W + 1, s + R): R new ones under the W - 1 carried down
-    x_rows = x + (row0 + s - (W - 1)).to(tl.int64) * XS + c
-    g_rows = g_in + (row0 + s).to(tl.int64) * GS + c
+    x_rows = _row_rows(x, row0, s - (W - 1), XS, c)
+    g_rows = _row_rows(g_in, row0, s, GS, c)
+    dx_rows = _row_rows(dx, row0, s, XS, c)
     xs = ()
     for i in tl.static_range(R):
-        if MASKED:
-            xs = xs + (_load_row(x, row0, s - (W - 1) + i, XS, c, c_in, T, MASKED, EVEN_C),)
-        else:
-            xs = xs + (_rows_from(x_rows, i, XS, c_in, EVEN_C),)
+        xs = xs + (_load_step_row(x_rows, i, XS, s - (W - 1) + i, c, c_in, T, MASKED, EVEN_C),)
     xs = xs + xs_above
-    ps = ()
-    if MASKED:
-        ps = _position_tuple(pos, s, R + W - 1, T, HAS_DOCS)
-    else:
-        for i in tl.static_range(R + W - 1):
-            ps = ps + (0,)
+    ps = _step_positions(pos, s, R + W - 1, T, HAS_DOCS, MASKED)
     # dy of the step's rows, then dy's rows [s, s + R + W - 1)
     dys = ()
     for r in tl.static_range(R):
-        if MASKED:
-            g = _load_row(g_in, row0, s + r, GS, c, c_in, T, MASKED, EVEN_C)
-        else:
-            g = _rows_from(g_rows, r, GS, c_in, EVEN_C)
+        g = _load_step_row(g_rows, r, GS, s + r, c, c_in, T, MASKED, EVEN_C)
         if SILU_GRAD:
             g = _silu_grad(g, _conv_row_in(xs, taps, ps[r], r, W, MASKED))
         dys = dys + (g,)
@@ -322,7 +331,6 @@ def _bwd_rows_step(x, pos, g_in, dx, row0, s, xs_above, dys_above, taps, dw, c, 
             else:
                 tap_sum += dys[r] * xs[r + W - 1 - j]
         summed = summed + (tap_sum,)
-    dx_rows = dx + (row0 + s).to(tl.int64) * XS + c
     for r in tl.static_range(R):
         # dx: output row t + j read x[t] through tap j when pos[t + j] >= j
         acc = taps[0] * dys[r]
@@ -331,14 +339,7 @@ def _bwd_rows_step(x, pos, g_in, dx, row0, s, xs_above, dys_above, taps, dw, c, 
                 acc += tl.where(ps[r + j] >= j, taps[j] * dys[r + j], 0.0)
             else:
                 acc += taps[j] * dys[r + j]
-        if MASKED:
-            t = s + r
-            offs = (row0 + t).to(tl.int64) * XS + c
-            tl.store(dx + offs, acc.to(dx.dtype.element_ty), mask=_row_mask(c, c_in, t, T))
-        elif EVEN_C:
-            tl.store(dx_rows + r * XS, acc.to(dx.dtype.element_ty))
-        else:
-            tl.store(dx_rows + r * XS, acc.to(dx.dtype.element_ty), mask=c_in)
+        _store_step_row(dx_rows, r, XS, s + r, acc, c, c_in, T, MASKED, EVEN_C)
     xs_below = ()
     dys_below = ()
     for i in tl.static_range(W - 1):
@@ -371,15 +372,17 @@ def short_conv_bwd_rows_kernel(x, w, pos, g_in, dx, dw_part, T, C, XS: tl.conste
     n_steps = tl.cdiv(tl.minimum(BT, T - lo), R)
     top = lo + n_steps * R  # one past the first step's rows
     # carried into the first step: x's rows [top - W + 1, top) and dy's rows [top, top + W - 1)
+    x_rows = _row_rows(x, row0, top - (W - 1), XS, c)
+    g_rows = _row_rows(g_in, row0, top, GS, c)
     xs = ()
     for i in tl.static_range(2 * W - 2):
-        xs = xs + (_load_row(x, row0, top - (W - 1) + i, XS, c, c_in, T, True, EVEN_C),)
+        xs = xs + (_load_step_row(x_rows, i, XS, top - (W - 1) + i, c, c_in, T, True, EVEN_C),)
     ps = _position_tuple(pos, top, W - 1, T, HAS_DOCS)
     xs_above = ()
     dys_above = ()
     for i in tl.static_range(W - 1):
         xs_above = xs_above + (xs[i],)
-        g = _load_row(g_in, row0, top + i, GS, c, c_in, T, True, EVEN_C)
+        g = _load_step_row(g_rows, i, GS, top + i, c, c_in, T, True, EVEN_C)
         if SILU_GRAD:
             g = _silu_grad(g, _conv_row_in(xs, taps, ps[i], i, W, True))
         dys_above = dys_above + (g,)
@@ -388,13 +391,7 @@ def short_conv_bwd_rows_kernel(x, w, pos, g_in, dx, dw_part, T, C, XS: tl.conste
         dw = dw + (tl.zeros([BC], dtype=tl.float32),)
     for k in range(n_steps):
         s = top - (k + 1) * R
-        fast = (s >= W - 1) & (s + R + W - 1 <= T)
-        if HAS_DOCS:
-            # positions in a document rise by one a row, and restart at 0 past a boundary
-            first = tl.load(pos + s, mask=fast, other=0)
-            last = tl.load(pos + s + R + W - 2, mask=fast, other=0)
-            fast = fast & (first >= W - 1) & (last - first == R + W - 2)
-        if fast:
+        if _in_one_document(pos, s, R + W - 1, T, W, HAS_DOCS):  # the step's rows and the W - 1 after them
             xs_above, dys_above, dw = _bwd_rows_step(x, pos, g_in, dx, row0, s, xs_above, dys_above, taps, dw, c,
                                                      c_in, T, XS, GS, W, R, HAS_DOCS, SILU_GRAD, False, EVEN_C)
         else:
