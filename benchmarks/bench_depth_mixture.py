@@ -172,18 +172,15 @@ def measured_row(S: int, name: str, call, inputs, reference: list[Tensor], time_
     """One table row: ``call`` checked against ``reference`` and timed with ``overrides`` in TUNING (restored
     after); a launch choice that fails is a row saying so, not the end of the run."""
     import moe_lc_kernels.depth_mixture as kernels
+    from moe_lc_kernels.tuning import launch_choices
 
-    defaults = dict(kernels.TUNING)
-    kernels.TUNING.update(overrides)
     row = dict(S=S, variant=name)
-    try:
-        row["diff"] = relative_diffs(run_once(call, *inputs), reference)
-        row.update(time_variant(call, inputs, time_ms, gb))
-    except Exception as e:  # one bad launch choice must not lose the other rows
-        row["failed"] = f"{type(e).__name__}: {e}"[:200]
-    finally:
-        kernels.TUNING.clear()
-        kernels.TUNING.update(defaults)
+    with launch_choices(kernels.TUNING, overrides):
+        try:
+            row["diff"] = relative_diffs(run_once(call, *inputs), reference)
+            row.update(time_variant(call, inputs, time_ms, gb))
+        except Exception as e:  # one bad launch choice must not lose the other rows
+            row["failed"] = f"{type(e).__name__}: {e}"[:200]
     return row
 
 

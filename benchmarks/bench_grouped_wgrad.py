@@ -20,7 +20,7 @@ import torch
 from bench_expert_gemms import gpu_ms  # this folder is on sys.path when run as a script
 import moe_lc_kernels.grouped_wgrad as gw
 from moe_lc.ops.accumulate import accumulate_
-from moe_lc_kernels.tuning import parse_launch_choices
+from moe_lc_kernels.tuning import launch_choices, parse_launch_choices
 
 EXPERTS, ROWS = 64, 131072
 SHAPES = {"gate_in [64, 1792, 1024]": (1792, 1024), "out [64, 1024, 896]": (1024, 896)}
@@ -40,7 +40,6 @@ def main() -> None:
     counts = counts.round().long()
     counts[-1] += ROWS - counts.sum()
     ends = counts.cumsum(0).to(torch.int32).cuda()
-    defaults = dict(gw.TUNING)
     print(f"| shape | path | ms | TFLOP/s | max abs diff |\n|---|---|---|---|---|")
     for name, (m, n) in SHAPES.items():
         dy = torch.randn(ROWS, m, device="cuda", generator=g).to(torch.bfloat16)
@@ -59,20 +58,17 @@ def main() -> None:
         gemm_ms = gpu_ms(lambda: torch._grouped_mm(dy.t(), x, offs=ends), args.repeats)
         print(f"| {name} | _grouped_mm bf16 alone | {gemm_ms:.3f} | {flops / gemm_ms / 1e9:.0f} | |")
         for tuning in tunings:
-            gw.TUNING.clear()
-            gw.TUNING.update(defaults, **tuning)
             label = ",".join(f"{k}={v}" for k, v in tuning.items()) or "defaults"
-            try:
-                ms = gpu_ms(lambda: gw.grouped_wgrad_([grad], dy, x, ends, accumulate=True), args.repeats)
-                grad.zero_()
-                gw.grouped_wgrad_([grad], dy, x, ends, accumulate=True)
-                diff = (grad - want).abs().max().item()
-                print(f"| {name} | triton, fp32 sum in the GEMM ({label}) | {ms:.3f} | {flops / ms / 1e9:.0f} "
-                      f"| {diff:.3g} |")
-            except Exception as err:  # a launch the GPU refuses (shared memory): report it, try the next
-                print(f"| {name} | triton ({label}) | failed: {type(err).__name__}: {str(err)[:80]} | | |")
-    gw.TUNING.clear()
-    gw.TUNING.update(defaults)
+            with launch_choices(gw.TUNING, tuning):
+                try:
+                    ms = gpu_ms(lambda: gw.grouped_wgrad_([grad], dy, x, ends, accumulate=True), args.repeats)
+                    grad.zero_()
+                    gw.grouped_wgrad_([grad], dy, x, ends, accumulate=True)
+                    diff = (grad - want).abs().max().item()
+                    print(f"| {name} | triton, fp32 sum in the GEMM ({label}) | {ms:.3f} | {flops / ms / 1e9:.0f} "
+                          f"| {diff:.3g} |")
+                except Exception as err:  # a launch the GPU refuses (shared memory): report it, try the next
+                    print(f"| {name} | triton ({label}) | failed: {type(err).__name__}: {str(err)[:80]} | | |")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from moe_lc.ops.documents import DocumentBounds
 from moe_lc.ops.kda import chunk_kda as reference_chunk_kda
 from moe_lc.ops.kda import kda_gate
 from moe_lc_kernels.kda import CHUNK, TUNING, chunk_kda_fused
+from moe_lc_kernels.tuning import launch_choices
 
 LOWER_BOUND = -5.0
 SHAPES = {  # name: (B, T, H, per-document lengths or None)
@@ -376,36 +377,29 @@ def main(argv=None):
         if args.fuzz_variant:
             from moe_lc_kernels import kda as kda_mod
 
-            base = dict(kda_mod.TUNING)
-            kda_mod.TUNING.update(kda_mod.parse_tuning(args.fuzz_variant))
-            print(f"fuzz with {args.fuzz_variant}:", flush=True)
-            report["fuzz_variant"] = fuzz(device, 4)
-            kda_mod.TUNING.clear()
-            kda_mod.TUNING.update(base)
+            with launch_choices(kda_mod.TUNING, kda_mod.parse_tuning(args.fuzz_variant)):
+                print(f"fuzz with {args.fuzz_variant}:", flush=True)
+                report["fuzz_variant"] = fuzz(device, 4)
         report["fuzz"] = {"worst_rel": worst, "trials": rows}
         print(f"fuzz worst rel vs float64: {worst:.2e} ({time.time() - t0:.0f} s)", flush=True)
     if args.variants and in_budget("variants"):
         from moe_lc_kernels import kda as kda_mod
 
-        base = dict(kda_mod.TUNING)
         rows = []
         timed = functools.partial(ours, keep_states=args.keep_states)
         for variant in ["", *args.variants.split(";")]:
-            kda_mod.TUNING.clear()
-            kda_mod.TUNING.update(base)
-            kda_mod.TUNING.update(kda_mod.parse_tuning(variant))
-            for name in args.variant_shapes.split(","):
-                batch, seq_len, heads, docs = SHAPES[name]
-                x, cu = make_inputs(batch, seq_len, heads, 128, docs, device, torch.bfloat16, 7)
-                with torch.no_grad():
-                    f_ms = time_fn(lambda: timed(x, cu))
-                run = fwd_bwd(timed, x, cu)
-                run.do = torch.randn_like(x["v"])
-                fb_ms = time_fn(run)
-                rows.append(dict(variant=variant or "default", shape=name, fwd_ms=f_ms, fwdbwd_ms=fb_ms))
-                print(f"variant [{variant or 'default'}] {name}: fwd {f_ms:.2f} ms fwd+bwd {fb_ms:.2f} ms", flush=True)
-        kda_mod.TUNING.clear()
-        kda_mod.TUNING.update(base)
+            with launch_choices(kda_mod.TUNING, kda_mod.parse_tuning(variant)):
+                for name in args.variant_shapes.split(","):
+                    batch, seq_len, heads, docs = SHAPES[name]
+                    x, cu = make_inputs(batch, seq_len, heads, 128, docs, device, torch.bfloat16, 7)
+                    with torch.no_grad():
+                        f_ms = time_fn(lambda: timed(x, cu))
+                    run = fwd_bwd(timed, x, cu)
+                    run.do = torch.randn_like(x["v"])
+                    fb_ms = time_fn(run)
+                    rows.append(dict(variant=variant or "default", shape=name, fwd_ms=f_ms, fwdbwd_ms=fb_ms))
+                    print(f"variant [{variant or 'default'}] {name}: fwd {f_ms:.2f} ms fwd+bwd {fb_ms:.2f} ms",
+                          flush=True)
         report["variants"] = rows
 
     if args.seg_sweep and in_budget("seg sweep"):

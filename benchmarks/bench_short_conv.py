@@ -21,7 +21,7 @@ import torch
 
 from bench_expert_gemms import gpu_ms  # this folder is on sys.path when run as a script
 import moe_lc_kernels.short_conv as kernels
-from moe_lc_kernels.tuning import parse_launch_choices
+from moe_lc_kernels.tuning import launch_choices, parse_launch_choices
 from moe_lc.ops.documents import DocumentBounds
 from moe_lc.ops.short_conv import short_conv_pieces
 
@@ -87,15 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     for name in names:
         for overrides in tunings:
-            kernels.TUNING.clear()
-            kernels.TUNING.update({**defaults, **overrides})
-            fwd, both, gb = time_shape(*SHAPES[name], repeats=args.repeats)
+            with launch_choices(kernels.TUNING, overrides):
+                fwd, both, gb = time_shape(*SHAPES[name], repeats=args.repeats)
             bwd = both - fwd
             label = ",".join(f"{k}={v}" for k, v in overrides.items()) or "defaults"
             print(f"| {name} | {label} | {fwd:.3f} ({2 * gb / fwd:.2f}) | {bwd:.3f} ({3 * gb / bwd:.2f}) | {both:.3f} |",
                   flush=True)
-    kernels.TUNING.clear()
-    kernels.TUNING.update(defaults)
     return 0
 
 

@@ -176,19 +176,14 @@ def _short_conv() -> None:
     """KDA's stacked q, k, v convolution at the default launch choices, then its forward on the row kernel."""
     from moe_lc_kernels import short_conv
     from moe_lc_kernels.short_conv import short_conv_triton_pieces
+    from moe_lc_kernels.tuning import launch_choices
 
     x = _bf16(1, TOKENS, 3 * HEADS * HEAD_DIM).requires_grad_(True)
     pos = torch.arange(TOKENS, dtype=torch.int32) % 8192
     pieces = short_conv_triton_pieces(x, torch.randn(3 * HEADS * HEAD_DIM, 4), 3, pos)
     torch.autograd.backward(pieces, [torch.ones_like(p) for p in pieces])
-    defaults = dict(short_conv.TUNING)
-    short_conv.TUNING.update(rows=1, fwd_bt=128, fwd_bc=256)
-    try:
-        with torch.no_grad():
-            short_conv_triton_pieces(x, torch.randn(3 * HEADS * HEAD_DIM, 4), 3, pos)
-    finally:
-        short_conv.TUNING.clear()
-        short_conv.TUNING.update(defaults)
+    with launch_choices(short_conv.TUNING, dict(rows=1, fwd_bt=128, fwd_bc=256)), torch.no_grad():
+        short_conv_triton_pieces(x, torch.randn(3 * HEADS * HEAD_DIM, 4), 3, pos)
 
 
 def _depth_mixture() -> None:

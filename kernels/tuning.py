@@ -4,7 +4,8 @@ choice can be tried in a whole training step without editing the defaults."""
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+import contextlib
+from typing import Iterator, Mapping, MutableMapping, Optional, Sequence
 
 
 def parse_launch_choices(text: str, known: Mapping[str, object], family: str,
@@ -27,3 +28,16 @@ def parse_launch_choices(text: str, known: Mapping[str, object], family: str,
             except ValueError:
                 raise ValueError(f"{family} tuning item {item!r}: {key} takes an integer") from None
     return out
+
+
+@contextlib.contextmanager
+def launch_choices(table: MutableMapping[str, object], overrides: Mapping[str, object]) -> Iterator[None]:
+    """Inside, ``table`` (a kernel family's ``TUNING``) with ``overrides`` applied; afterwards exactly what it
+    was, whatever the block raised: a benchmark's variants must not leak into the next one."""
+    saved = dict(table)
+    table.update(overrides)
+    try:
+        yield
+    finally:
+        table.clear()
+        table.update(saved)

@@ -123,6 +123,20 @@ def test_a_short_conv_launch_choice_from_the_environment_reaches_the_kernels():
     assert bad.returncode != 0 and "short conv tuning item 'bwd_tile=64'" in bad.stderr
 
 
+def test_a_benchmark_variants_launch_choices_are_undone_even_when_it_fails():
+    """launch_choices, how the kernel benchmarks time one variant after another in one process: the
+    overrides hold inside the block, and afterwards the table is what it was, also after an exception."""
+    from moe_lc_kernels.tuning import launch_choices
+
+    table = dict(fwd_bt=64, bwd_bt=128)
+    with launch_choices(table, dict(bwd_bt=64, rows=1)):
+        assert table == dict(fwd_bt=64, bwd_bt=64, rows=1)
+    assert table == dict(fwd_bt=64, bwd_bt=128)
+    with pytest.raises(RuntimeError), launch_choices(table, dict(fwd_bt=32)):
+        raise RuntimeError("a launch the GPU refused")
+    assert table == dict(fwd_bt=64, bwd_bt=128)
+
+
 def test_a_tree_word_runs_the_variant_from_that_checkout(tmp_path, monkeypatch):
     """@TREE: the run imports moe_lc, moe_lc_kernels and moe_lc_recipes from TREE (a baseline checkout),
     not from this one; a directory that is not a moe-lc tree is refused in one line."""
