@@ -57,6 +57,7 @@ class MLAConfig:
     qk_rope_dim: int = 64  # the shared-key part; kept for layout compatibility, never rotated
     v_dim: int = 128
     gate: bool = True  # sigmoid output gate (Gated Attention)
+    gate_backend: str = "auto"  # that gate: auto (Triton on CUDA) | torch | triton (moe_lc.ops.output_gate)
     # the projections that read x (W_dkv, the shared key, W_dq or W_q, the gate) as one GEMM over their
     # stacked weights: x cast and kept once, dx one GEMM instead of four and their sums. Plain weights
     # only (not tp's DTensors, not float8 linears, which keep their own calls)
@@ -211,6 +212,8 @@ class ModelConfig:
                  f"loss_backend={self.loss_backend!r}: use auto, torch, compiled or triton")
         _require(m.keys_backend in ("auto", "torch", "triton"),
                  f"mla.keys_backend={m.keys_backend!r}: use auto, torch or triton")
+        _require(m.gate_backend in ("auto", "torch", "triton"),
+                 f"mla.gate_backend={m.gate_backend!r}: use auto, torch or triton")
 
         a = self.attn_res
         _require(a.mode in ("none", "block", "full"), f"attn_res.mode={a.mode!r}: use none, block or full")

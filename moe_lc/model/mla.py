@@ -23,6 +23,7 @@ from moe_lc.model.norm import RMSNorm
 from moe_lc.ops.attention import causal_document_attention, keys_of_row
 from moe_lc.ops.documents import DocumentBounds
 from moe_lc.ops.mla_keys import mla_keys
+from moe_lc.ops.output_gate import gated_output
 from moe_lc.ops.stacked_linear import stackable, stacked_linear
 
 
@@ -94,5 +95,5 @@ class GatedMLA(nn.Module):
         ).transpose(1, 2)  # [B, T, H, v_dim]
         o = o.reshape(B, T, H * c.v_dim)
         if gate_logits is not None:
-            o = torch.sigmoid(gate_logits) * o
+            o = gated_output(o, gate_logits, backend=c.gate_backend)
         return self.o_proj(o)

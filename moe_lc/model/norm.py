@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from moe_lc.model.precision import upcast
+from moe_lc.ops.backend_choice import triton_device_reason
+from moe_lc.ops.output_gate import gated_output
 from moe_lc.ops.rms_norm import rms_normalised
 
 
@@ -27,9 +28,18 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(RMSNorm):
-    """sigmoid(gate) * RMSNorm(x), in the gate's dtype, as one module: compiling the norms
-    (``compile.targets`` "norms") then fuses the gate into the norm's kernel, where eagerly the
-    sigmoid, the product and their backward are five more passes over the layer's output."""
+    """sigmoid(gate) * RMSNorm(x), in the gate's dtype, as one module (``moe_lc.ops.output_gate``):
+    one fused kernel each way on CUDA, where eagerly the norm, the sigmoid, the product and their
+    backward are a dozen passes over the layer's output. ``backend``: that op's."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, backend: str = "auto") -> None:
+        super().__init__(dim, eps)
+        self.backend = backend
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return (self.normalised(x) * torch.sigmoid(upcast(gate))).to(gate.dtype)
+        return gated_output(x, gate, self.weight, self.eps, self.backend)
+
+    def fused_on(self, device: torch.device) -> bool:
+        """Whether the fused kernels run for this module's inputs on ``device`` (compiling it would then
+        add host time and no fusion)."""
+        return device.type == "cuda" and self.backend != "torch" and triton_device_reason(device) is None

@@ -11,7 +11,8 @@ guard and recompile for every new batch, so the layers themselves stay eager.
 
 Targets (``compile.targets``):
 
-- ``norms``: every RMSNorm of the model (the AttnRes mixers' norms belong to ``attn_res``);
+- ``norms``: every RMSNorm of the model (the AttnRes mixers' norms belong to ``attn_res``; KDA's
+  gated output norm only where it does not run its fused kernels);
 - ``attn_res``: every AttnRes depth mixer (norm of each source, scores, softmax over depth and the
   weighted sum, with its hand-written backward). Where the mixture runs its Triton kernels
   (``attn_res.backend`` auto on CUDA) they are a graph break and this fuses only the PyTorch
@@ -39,7 +40,7 @@ again, once). Not combined with tensor parallelism yet (the norms would see DTen
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, List
+from typing import Any, List, Optional
 
 import torch
 from torch import nn
@@ -47,7 +48,7 @@ from torch import nn
 from moe_lc.config import ConfigError
 from moe_lc.model.attn_res import DepthMixer
 from moe_lc.model.moe import LatentMoE
-from moe_lc.model.norm import RMSNorm
+from moe_lc.model.norm import GatedRMSNorm, RMSNorm
 from moe_lc.ops.grouped_experts import resolve_wgrad_backend
 from moe_lc.parallel.layout import Choice, parse_choice
 
@@ -114,8 +115,9 @@ def _is_float8_linear(module: nn.Module) -> bool:
     return type(module).__name__ == "Float8Linear"  # torchao's; no import where torchao is absent
 
 
-def compile_targets(model: nn.Module, targets: list) -> list[str]:
-    """Paths of the modules that ``targets`` select in ``model``, in module order."""
+def compile_targets(model: nn.Module, targets: list, device: Optional[torch.device] = None) -> list[str]:
+    """Paths of the modules that ``targets`` select in ``model``, in module order; for a model on
+    ``device``, without the gated norms that run one fused kernel there anyway."""
     chosen = set(targets)
     in_mixers = {id(m.norm) for m in model.modules() if isinstance(m, DepthMixer)}
     names = []
@@ -124,6 +126,8 @@ def compile_targets(model: nn.Module, targets: list) -> list[str]:
             picked = CompileTarget.attn_res in chosen
         elif isinstance(module, RMSNorm):
             picked = CompileTarget.norms in chosen and id(module) not in in_mixers
+            if isinstance(module, GatedRMSNorm) and device is not None and module.fused_on(device):
+                picked = False
         elif isinstance(module, LatentMoE):
             picked = CompileTarget.moe in chosen and "routed" not in vars(module)  # EP swaps in its own
         else:
@@ -141,7 +145,7 @@ def apply_compile(model: nn.Module, policy: RegionalCompile, tp: int = 1, world_
     policy = policy.resolve(device.type, world_size, tp)
     if not policy.enabled:
         return []
-    names = compile_targets(model, policy.targets)
+    names = compile_targets(model, policy.targets, device)
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
     for name in names:
