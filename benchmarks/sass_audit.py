@@ -142,6 +142,17 @@ def _situ() -> None:
         situ_glu_stacked_triton(y).backward(_bf16(rows, HIDDEN))
 
 
+def _output_gate() -> None:
+    """KDA's gated output norm (heads of HEAD_DIM) and MLA's plain gate, each gate a column slice."""
+    from moe_lc_kernels.output_gate import gated_output_triton
+
+    wide = _bf16(TOKENS, 64 + HEADS * HEAD_DIM)[:, 64:]
+    for weight in (torch.ones(HEAD_DIM, requires_grad=True), None):
+        x = _bf16(TOKENS, HEADS, HEAD_DIM).requires_grad_(True)
+        gate = wide.view(TOKENS, HEADS, HEAD_DIM) if weight is not None else wide.reshape(TOKENS, HEADS, HEAD_DIM)
+        gated_output_triton(x, gate, weight).backward(_bf16(TOKENS, HEADS, HEAD_DIM))
+
+
 def _router() -> None:
     from moe_lc_kernels.routing import route_backward_triton, route_statistics_triton, route_triton
 
@@ -245,7 +256,7 @@ def _kda() -> None:
 OPS: dict[str, Callable[[], None]] = {
     "situ": _situ, "router": _router, "sort": _sort, "permutation": _permutation, "short_conv": _short_conv,
     "depth_mixture": _depth_mixture, "accumulate": _accumulate, "kda": _kda, "mla_keys": _mla_keys,
-    "cross_entropy": _cross_entropy, "grouped_wgrad": _grouped_wgrad,
+    "cross_entropy": _cross_entropy, "grouped_wgrad": _grouped_wgrad, "output_gate": _output_gate,
 }
 
 

@@ -18,8 +18,10 @@ from moe_lc_kernels.tuning import parse_launch_choices
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows per program and warps, forward and backward; a program covers one column group (a head of
-# 128 with the norm, else 128 columns). MOE_LC_OUTPUT_GATE_TUNING="key=value,..." overrides.
-TUNING = dict(rows=32, warps=4, bwd_rows=32, bwd_warps=4, group=128)
+# 128 with the norm, else 128 columns). Compiled for sm_90 (Triton 3.6, benchmarks/sass_audit.py),
+# the backward with the norm at 32 rows and 4 warps holds 226 registers a thread (two programs an
+# SM), at 8 warps 80; the forward 78. MOE_LC_OUTPUT_GATE_TUNING="key=value,..." overrides.
+TUNING = dict(rows=32, warps=4, bwd_rows=32, bwd_warps=8, group=128)
 TUNING.update(parse_launch_choices(os.environ.get("MOE_LC_OUTPUT_GATE_TUNING", ""), TUNING, "output gate"))
 
 
