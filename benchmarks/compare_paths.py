@@ -82,6 +82,7 @@ def train(cfg, runtime, steps: int, plain: bool) -> tuple[list[float], float]:
         model_cfg.kda.fused_projections = False  # KDA's six projections of x one by one
         model_cfg.mla.fused_projections = False  # MLA's four projections of x one by one
         model_cfg.mla.keys_backend = "torch"  # MLA's keys: the split and the concatenation in PyTorch
+        model_cfg.mla.gate_backend = model_cfg.kda.gate_backend = "torch"  # the output gates in PyTorch
         model_cfg.moe.router_backend = "torch"  # the router, its statistics and the sort in PyTorch
         model_cfg.moe.wgrad_backend = "torch"  # the experts' weight gradients from autograd, then added
     state = build_model_state(model_cfg, cfg.optim, plan.layout, runtime, cfg.seed, plan.checkpointing, plan.seq_len,

@@ -35,6 +35,7 @@ class KDAConfig:
     output_gate_rank: Optional[int] = None  # for low_rank; None = head_dim
     conv_size: int = 4
     backend: str = "auto"  # chunked-op backend: auto | torch | triton | fla
+    gate_backend: str = "auto"  # the gated output norm: auto (Triton on CUDA) | torch | triton (moe_lc.ops.output_gate)
     # the six projections of x as two GEMMs (q, k, v stacked, and beta, decay and gate stacked) and
     # q, k, v's short convolutions as one (depthwise: the same math over the stacked channels): fewer
     # launches for a layer that is host-bound at 8K on an H200 (docs/performance.md §12.3); plain
@@ -214,6 +215,8 @@ class ModelConfig:
                  f"mla.keys_backend={m.keys_backend!r}: use auto, torch or triton")
         _require(m.gate_backend in ("auto", "torch", "triton"),
                  f"mla.gate_backend={m.gate_backend!r}: use auto, torch or triton")
+        _require(k.gate_backend in ("auto", "torch", "triton"),
+                 f"kda.gate_backend={k.gate_backend!r}: use auto, torch or triton")
 
         a = self.attn_res
         _require(a.mode in ("none", "block", "full"), f"attn_res.mode={a.mode!r}: use none, block or full")

@@ -161,6 +161,7 @@ def test_the_memory_model_predicts_the_peaks_measured_on_an_h200_within_15_perce
     cfg.attn_res.fused_norm = False
     cfg.fp32_embedding = True
     cfg.fused_loss = False
+    cfg.kda.gate_backend = cfg.mla.gate_backend = "torch"
     mem = MemoryModel(model_facts(cfg), StageShape(seq_len, micro_batch, sequences), "adamw")(
         layout(1), ActivationCheckpointing(policy))
     assert abs(mem.total / 2**30 / measured_gib - 1) <= 0.15, mem
@@ -177,15 +178,21 @@ K3_SMALL_H200_PEAKS = [("none", 1, False, 125.34), ("none", 1, True, 128.17), ("
 def test_the_memory_model_predicts_k3_small_8k_compiled_within_15_percent(mode, every, kda_states, measured_gib):
     cfg = get_preset("k3-small")
     cfg.attn_res.fused_norm = False  # as they were measured
+    cfg.kda.gate_backend = cfg.mla.gate_backend = "torch"
     mem = MemoryModel(model_facts(cfg), StageShape(8192, 2, 16), "adamw", RegionalCompile(enabled="auto"))(
         layout(1), ActivationCheckpointing(mode, every, kda_states=kda_states))
     assert abs(mem.total / 2**30 / measured_gib - 1) <= 0.15, mem
 
 
+# The peaks and steps below were all measured before the output gates' fused kernels
+# (moe_lc.ops.output_gate), so they are priced without them.
+AS_MEASURED = ["model.kda.gate_backend=torch", "model.mla.gate_backend=torch"]
+
+
 def test_the_memory_model_predicts_k3_small_8k_as_its_recipe_runs_today_within_15_percent():
     """The recipe unedited (nothing recomputed, the KDA states and prep kept, the pre-norms in the depth
     mixtures' kernels): 129.96 GiB at peak on one H200 (docs/performance.md §12.24)."""
-    cfg = compose_recipe("k3-small-8k", [])
+    cfg = compose_recipe("k3-small-8k", AS_MEASURED)
     stage = plan_curriculum(cfg, 1)[0]
     planned = estimate_stage(cfg, stage, 3570.7).memory.total / 2**30
     assert abs(129.96 / planned - 1) <= 0.15, planned
@@ -207,7 +214,7 @@ H200_STEPS = [
 
 @pytest.mark.parametrize("recipe, overrides, keys, measured_s", H200_STEPS)
 def test_the_time_model_predicts_the_steps_measured_on_an_h200_within_10_percent(recipe, overrides, keys, measured_s):
-    cfg = compose_recipe(recipe, overrides)
+    cfg = compose_recipe(recipe, overrides + AS_MEASURED)
     stage = plan_curriculum(cfg, 1)[0]
     planned = estimate_stage(cfg, stage, keys).time
     assert abs(measured_s / planned.step - 1) <= 0.10, planned
@@ -233,7 +240,7 @@ H100_STEPS = [
 @pytest.mark.parametrize("recipe, overrides, measured_s", H100_STEPS)
 def test_the_time_model_predicts_steps_bound_by_the_host_on_an_h100_within_10_percent(recipe, overrides, measured_s):
     """Without the host's time a one-row micro-batch of the proxy is priced at a third of what it takes."""
-    cfg = compose_recipe(recipe, overrides)
+    cfg = compose_recipe(recipe, overrides + AS_MEASURED)
     stage = plan_curriculum(cfg, 1)[0]
     time = TimeModel(model_facts(cfg.model), StageShape(stage.seq_len, stage.micro_batch, stage.global_batch_tokens
                                                         // stage.seq_len), ClusterRequest(1, gpu="h100").resolve(),

@@ -47,7 +47,7 @@ class KDAttention(nn.Module):
         else:
             r = cfg.output_gate_rank or K
             self.gate_proj = nn.Sequential(nn.Linear(d_model, r, bias=False), nn.Linear(r, inner, bias=False))
-        self.o_norm = GatedRMSNorm(K, norm_eps, backend=self.conv_backend())  # sigmoid(W_g x) * RMSNorm_head(o)
+        self.o_norm = GatedRMSNorm(K, norm_eps, backend=cfg.gate_backend)  # sigmoid(W_g x) * RMSNorm_head(o)
         self.o_proj = nn.Linear(inner, d_model, bias=False)
         # what the recurrence keeps for backward: set from outside by the activation checkpointing
         # policy (``kda_states``, ``kda_prep``), as a memory trade, not part of the model's math

@@ -192,13 +192,20 @@ def _kda(t: _Tally, cfg: ModelConfig, path: ExecutionPath) -> None:
         a, b, c, e = REFERENCE_KDA_FLOATS
         V = K  # KDA's value head dim is its key head dim
         t.kept(FP32 * H * (a * K + b * V + c * K * V + e))
-    t.selective += A * inner  # the recurrence's output o, kept by the policy ...
-    if _norm(t, inner, A, path, rows=H):  # ... and by the per-head output norm when it is fp32
-        t.none += A * inner
     if k.output_gate == "low_rank":
         t.matmul(A * (k.output_gate_rank or K), saved=True)
-    t.matmul(A * inner, saved=False)  # gate logits (the sigmoid keeps its output)
-    t.saved(2 * A * inner)  # sigmoid(gate) and gate * o (o_proj's input)
+    if path.fused and k.gate_backend != "torch":  # the fused gated norm (moe_lc.ops.output_gate): o, the
+        # gate logits and 1 / rms
+        t.matmul(A * inner, saved=True)  # the recurrence's output o
+        t.matmul(A * inner, saved=True)  # gate logits
+        t.saved(FP32 * H)
+    else:
+        t.selective += A * inner  # the recurrence's output o, kept by the policy ...
+        if _norm(t, inner, A, path, rows=H):  # ... and by the per-head output norm when it is fp32
+            t.none += A * inner
+        t.matmul(A * inner, saved=False)  # gate logits (the sigmoid keeps its output)
+        t.saved(A * inner)  # sigmoid(gate)
+    t.saved(A * inner)  # the gated output, o_proj's input
     t.matmul(A * d, saved=False)  # o_proj: the sublayer output, counted with the stream
 
 
@@ -227,9 +234,15 @@ def _mla(t: _Tally, cfg: ModelConfig, path: ExecutionPath) -> None:
     t.matmul(A * H * (qk if padded_v else m.v_dim) + FP32 * H * ATTENTION_LSE_FP32_PER_HEAD, saved=True)
     hv = H * m.v_dim
     if m.gate:
-        t.saved(A * hv)  # o as [B, T, H v] (the gate product keeps it)
-        t.matmul(A * hv, saved=False)
-        t.saved(A * hv)  # sigmoid(gate)
+        t.saved(A * hv)  # o as [B, T, H v] (the gate keeps it)
+        if path.fused and m.gate_backend != "torch":  # the fused gate keeps its logits: with stacked
+            # projections a column view, which keeps all their columns
+            t.matmul(A * hv, saved=True)
+            if m.fused_projections:
+                t.saved(A * (m.kv_lora_rank + m.qk_rope_dim + (m.q_lora_rank or H * qk)))
+        else:
+            t.matmul(A * hv, saved=False)
+            t.saved(A * hv)  # sigmoid(gate)
     t.saved(A * hv)  # o_proj's input
     t.matmul(A * d, saved=False)
 

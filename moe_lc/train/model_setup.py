@@ -109,6 +109,7 @@ def check_backends_run_here(cfg: ModelConfig, device: torch.device) -> None:
                 raise ConfigError(f"{variable}={os.environ[variable]!r}: {err}") from None
     triton_ops = {"attn_res.backend": cfg.attn_res.backend, "moe.dispatch_backend": cfg.moe.dispatch_backend,
                   "moe.router_backend": cfg.moe.router_backend, "mla.keys_backend": cfg.mla.keys_backend,
+                  "mla.gate_backend": cfg.mla.gate_backend, "kda.gate_backend": cfg.kda.gate_backend,
                   "loss_backend": cfg.loss_backend, "moe.wgrad_backend": cfg.moe.wgrad_backend}
     problems = [(f"kda.backend={cfg.kda.backend}", kernels_unavailable_reason(cfg.kda.backend, device))]
     problems += [(f"{field}=triton", triton_device_reason(device)) for field, value in triton_ops.items()

@@ -44,7 +44,7 @@ CHECKPOINT_FORMAT = 2
 # mla.fp32_output: a removed option that changed no weights (checkpoints written before its removal carry it)
 MODEL_FIELDS_FREE_TO_CHANGE = {
     "name", "kda.backend", "kda.fused_projections", "mla.fused_projections", "mla.fp32_output", "mla.keys_backend",
-    "attn_res.backend",
+    "mla.gate_backend", "kda.gate_backend", "attn_res.backend",
     "attn_res.fused_norm",
     "moe.fused_projections", "moe.dispatch_backend", "moe.router_backend", "moe.wgrad_backend", "fused_loss", "loss_backend",
 }
