@@ -49,6 +49,9 @@ PERMUTATION_KERNEL = "kernels/token_permutation_triton.py"
 ROUTER_KERNEL = "kernels/routing_triton.py"
 ROUTING = "moe_lc/ops/routing.py"
 CONV_KERNEL = "kernels/short_conv_triton.py"
+OUTPUT_GATE = "moe_lc/ops/output_gate.py"
+OUTPUT_GATE_KERNEL = "kernels/output_gate_triton.py"
+OUTPUT_GATE_LAUNCH = "kernels/output_gate.py"
 ACCUMULATE_KERNEL = "kernels/accumulate_triton.py"
 MIXTURE_KERNELS = "kernels/depth_mixture.py"
 MIXTURE_KERNEL = "kernels/depth_mixture_triton.py"
@@ -336,8 +339,23 @@ MUTANTS: tuple[Mutant, ...] = (
            "softplus gate ignores exp(A)"),
     Mutant("beta-sigmoid-dropped", KDA_PROJ, "torch.sigmoid(wide), scale=scale", "wide, scale=scale",
            "beta is the raw logit, not sigmoid(logit)"),
-    Mutant("kda-output-gate-sigmoid-dropped", NORM, "self.normalised(x) * torch.sigmoid(upcast(gate))",
-           "self.normalised(x) * upcast(gate)", "KDA output gate without sigmoid"),
+    Mutant("output-gate-sigmoid-dropped", OUTPUT_GATE, "return (f * torch.sigmoid(upcast(g))).to(g.dtype)",
+           "return (f * upcast(g)).to(g.dtype)", "the output gates' reference without sigmoid"),
+    Mutant("kda-output-gate-norm-dropped", NORM, "return gated_output(x, gate, self.weight, self.eps, self.backend)",
+           "return gated_output(x, gate, None, self.eps, self.backend)", "KDA's output gate without its per-head norm"),
+    Mutant("gated-norm-kernel-dx-without-the-projection", OUTPUT_GATE_KERNEL,
+           "dxv = r[:, None] * (wdn - xh * (tl.sum(wdn * xh, axis=1) / GROUP)[:, None])", "dxv = r[:, None] * wdn",
+           "the fused norm's dx without the term of the rms's own gradient", ("tests/test_output_gate.py",)),
+    Mutant("gated-norm-kernel-rms-of-the-sum", OUTPUT_GATE_KERNEL, "tl.sum(xv * xv, axis=1) / GROUP + eps",
+           "tl.sum(xv * xv, axis=1) + eps", "the fused norm divides by the root of the sum of squares, not of their mean",
+           ("tests/test_output_gate.py",)),
+    Mutant("output-gate-kernel-sigmoid-derivative", OUTPUT_GATE_KERNEL, "(dyv * n * s * one_minus_s)", "(dyv * n * s)",
+           "the fused gate's dg without the factor 1 - sigmoid(g)", ("tests/test_output_gate.py",)),
+    Mutant("gated-norm-kernel-weight-gradient-ungated", OUTPUT_GATE_KERNEL, "tl.sum(dn * xh, axis=0)",
+           "tl.sum(dyv * xh, axis=0)", "the fused norm's dw from dy instead of dy sigmoid(g)", ("tests/test_output_gate.py",)),
+    Mutant("output-gate-kernel-gate-read-at-the-input-stride", OUTPUT_GATE_LAUNCH, "_row_stride(x), _row_stride(g), eps",
+           "_row_stride(x), _row_stride(x), eps", "the forward reads the gate's rows as if laid out like x's",
+           ("tests/test_output_gate.py",)),
     Mutant("kda-qkv-silu-dropped", KDA, 'conv = dict(activation="silu", backend=self.conv_backend())',
            "conv = dict(activation=None, backend=self.conv_backend())", "q, k, v without SiLU after the conv"),
     Mutant("conv-window-short", CONV, "    for j in range(1, W):\n", "    for j in range(1, W - 1):\n",
@@ -374,7 +392,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("mla-keys-value-gradient-dropped", MLA_KEYS_KERNEL, "tl.store(out + NOPE + vc[None, :], g_v, mask=v_mask)",
            "tl.store(out + NOPE + vc[None, :], g_v * 0, mask=v_mask)",
            "kv's gradient loses dv", ("tests/test_mla_keys.py",)),
-    Mutant("mla-gate-sigmoid-dropped", MLA, "o = torch.sigmoid(gate_logits) * o",
+    Mutant("mla-gate-sigmoid-dropped", MLA, "o = gated_output(o, gate_logits, backend=c.gate_backend)",
            "o = gate_logits * o", "MLA output gate without sigmoid"),
     # -- Attention Residuals
     Mutant("attnres-gradient-sum-never-handed-over", MIXTURE_KERNELS, "elif total is None or ctx.hands_over[i]:",
