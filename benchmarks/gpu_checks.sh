@@ -72,6 +72,11 @@ step short_conv_rows python benchmarks/bench_short_conv.py --shapes kda_qkv_B1_T
 step ab_short_conv_rows python benchmarks/bench_ab.py k3-small-8k --rounds 2 --steps 5 --warmup 3 --variant tiles= \
     --variant rows=MOE_LC_SHORT_CONV_TUNING=rows=1,fwd_bt=128,fwd_bc=256,fwd_warps=4 \
     --out "$OUT/ab_short_conv_rows.json"
+# the output gates in one kernel each way (docs/performance.md §12.28): their tests with the compiled
+# kernels, the whole step against the reference gates (KDA's norm compiled, MLA's eager), interleaved
+step output_gate_tests python -m pytest -q -rfEs -p no:cacheprovider tests/test_output_gate.py
+step ab_output_gate python benchmarks/bench_ab.py k3-small-8k --rounds 2 --steps 5 --warmup 3 --variant fused= \
+    --variant reference="model.kda.gate_backend=torch model.mla.gate_backend=torch" --out "$OUT/ab_output_gate.json"
 # the proxy through the trainer on every GPU here, its stages unedited (one and two GPUs: issue 17)
 step train_proxy_8k torchrun --standalone --nproc-per-node "$(python -c 'import torch; print(torch.cuda.device_count())')" \
     -m moe_lc.train recipe=proxy-8k max_steps=20 run_dir="$OUT/run_proxy_8k" eval.sequences=0 eval.passkey_documents=0

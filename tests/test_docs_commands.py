@@ -281,6 +281,9 @@ COMMANDS: dict[str, object] = {
         "--variant before=@.base --variant rowsfwd=MOE_LC_SHORT_CONV_TUNING=rows=1,fwd_bt=128,fwd_bc=256,fwd_warps=4",
         "python benchmarks/bench_ab.py k3-small-8k model.num_layers=11 --rounds 2 --steps 4 --warmup 2 --variant after= "
         "--variant old=@.base2",
+        "python -m pytest -q tests/test_output_gate.py",
+        "python benchmarks/bench_ab.py k3-small-8k --rounds 2 --steps 4 --warmup 2 --variant fused= --variant "
+        'reference="model.kda.gate_backend=torch model.mla.gate_backend=torch"',
     )},
     # launch/ comments
     "bash launch/train_single_node.sh recipe=proxy-8k": Run(PROXY + " run_dir=runs/proxy-8k", env="MAX_RESTARTS=0"),
@@ -344,6 +347,9 @@ def _blocks(path: Path) -> list[tuple[list[str], str]]:
                 start = i - len(before)
                 blocks.append((before, "\n".join(lines[max(0, start - 12) : start])))
             before = []
+    if before:  # a block that ends the file
+        start = len(lines) - len(before)
+        blocks.append((before, "\n".join(lines[max(0, start - 12) : start])))
     return blocks
 
 
