@@ -1,7 +1,7 @@
 """`moe_lc.metrics.gaps`: the device's idle time charged to the host op that launched the work
 after it, on a hand-built trace whose gaps are known by construction."""
 
-from moe_lc.metrics.gaps import find_gaps, format_gaps
+from moe_lc.metrics.gaps import device_time_by_launcher, find_gaps, format_device_time_by_launcher, format_gaps
 
 
 def _x(cat, name, ts, dur, tid=1, corr=None):
@@ -62,3 +62,17 @@ def test_short_gaps_are_dropped_and_the_report_sums_them():
 
 def test_a_trace_without_device_work_has_no_gaps():
     assert find_gaps([_x("cpu_op", "aten::add", 0, 5)]) == ([], 0.0, 0.0)
+
+
+def test_device_time_is_charged_to_the_host_op_that_launched_it():
+    table = device_time_by_launcher(_trace())
+    assert table == {
+        ("(no host op)", "(not found)", "k0"): (5, 1),
+        ("moe_lc::optimizer", "aten::add_", "k1"): (10, 1),
+        ("backward: MmBackward0", "aten::mm", "k2"): (5, 1),
+        ("moe_lc::optimizer", "moe_lc::optimizer", "k3"): (1, 1),
+        ("moe_lc::optimizer", "moe_lc::optimizer", "Memcpy HtoD"): (5, 1),
+    }
+    text = format_device_time_by_launcher(table)
+    assert text.splitlines()[0] == "device time 0.0 ms; by region / launching host op / kernel:"
+    assert "moe_lc::optimizer / aten::add_ / k1" in text.splitlines()[2]  # the largest first

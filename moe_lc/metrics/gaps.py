@@ -81,9 +81,23 @@ def _is_wait(launch: dict[str, Any]) -> bool:
     return "Synchronize" in name or ("cudaMemcpy" in name and launch.get("dur", 0) >= WAIT_MIN_US)
 
 
-def find_gaps(events: Iterable[dict[str, Any]], min_us: float = 0.0) -> tuple[list[Gap], float, float]:
-    """The device's gaps longer than ``min_us``, with the window (first device start to last device
-    end) and the device's busy time in it, both in microseconds."""
+@dataclass
+class _Indexed:
+    device: list[dict[str, Any]]  # kernels, copies and fills, by start
+    launches: dict[Any, dict[str, Any]]  # correlation id -> the runtime call that launched it
+    waits: list[dict[str, Any]]  # runtime calls in which the host waited, by end
+    threads: dict[Any, _Intervals]  # (pid, tid) -> that thread's host ops
+
+    def chain(self, work: dict[str, Any]) -> tuple[list[dict[str, Any]], Optional[dict[str, Any]]]:
+        """The host ops around the launch of ``work``, outermost first, and the launch call."""
+        launch = self.launches.get(work.get("args", {}).get("correlation"))
+        if launch is None:
+            return [], None
+        thread = self.threads.get((launch.get("pid"), launch.get("tid")))
+        return (thread.around(launch["ts"]) if thread is not None else []), launch
+
+
+def _index(events: Iterable[dict[str, Any]]) -> _Indexed:
     device, launches, waits = [], {}, []
     host: dict[Any, list[dict[str, Any]]] = defaultdict(list)
     for e in events:
@@ -100,12 +114,23 @@ def find_gaps(events: Iterable[dict[str, Any]], min_us: float = 0.0) -> tuple[li
                 waits.append(e)
         elif cat in HOST_CATEGORIES:
             host[(e.get("pid"), e.get("tid"))].append(e)
+    device.sort(key=lambda e: e["ts"])
+    waits.sort(key=lambda e: e["ts"] + e.get("dur", 0))
+    return _Indexed(device, launches, waits, {key: _Intervals(evs) for key, evs in host.items()})
+
+
+def _launcher(chain: list[dict[str, Any]], launch: Optional[dict[str, Any]]) -> str:
+    return chain[-1]["name"] if chain else (launch["name"] if launch else "(not found)")
+
+
+def find_gaps(events: Iterable[dict[str, Any]], min_us: float = 0.0) -> tuple[list[Gap], float, float]:
+    """The device's gaps longer than ``min_us``, with the window (first device start to last device
+    end) and the device's busy time in it, both in microseconds."""
+    index = _index(events)
+    device, waits = index.device, index.waits
     if not device:
         return [], 0.0, 0.0
-    threads = {key: _Intervals(evs) for key, evs in host.items()}
-    waits.sort(key=lambda e: e["ts"] + e.get("dur", 0))
     wait_ends = [e["ts"] + e.get("dur", 0) for e in waits]
-    device.sort(key=lambda e: e["ts"])
     busy_until = device[0]["ts"]
     busy = 0.0
     gaps = []
@@ -114,18 +139,39 @@ def find_gaps(events: Iterable[dict[str, Any]], min_us: float = 0.0) -> tuple[li
         if start > busy_until:
             idle = start - busy_until
             if idle > min_us:
-                launch = launches.get(e.get("args", {}).get("correlation"))
-                chain = []
-                if launch is not None:
-                    thread = threads.get((launch.get("pid"), launch.get("tid")))
-                    chain = thread.around(launch["ts"]) if thread is not None else []
+                chain, launch = index.chain(e)
                 k = bisect.bisect_left(wait_ends, busy_until)
                 wait = waits[k]["name"] if k < len(waits) and wait_ends[k] <= start else None
-                launcher = chain[-1]["name"] if chain else (launch["name"] if launch else "(not found)")
-                gaps.append(Gap(busy_until, idle, _region(chain), launcher, wait))
+                gaps.append(Gap(busy_until, idle, _region(chain), _launcher(chain, launch), wait))
         busy += max(0.0, end - max(start, busy_until))
         busy_until = max(busy_until, end)
     return gaps, busy_until - device[0]["ts"], busy
+
+
+def device_time_by_launcher(events: Iterable[dict[str, Any]]) -> dict[tuple[str, str, str], tuple[float, int]]:
+    """Device time (us) and count of every (region, launching host op, kernel) in a trace: which host op,
+    in which autograd node or named range, launched each kernel (the sums autograd makes of a tensor's
+    gradients show as ``backward: <node> / aten::add_``)."""
+    index = _index(events)
+    table: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in index.device:
+        chain, launch = index.chain(e)
+        row = table[(_region(chain), _launcher(chain, launch), e["name"])]
+        row[0] += e.get("dur", 0)
+        row[1] += 1
+    return {key: (us, int(n)) for key, (us, n) in table.items()}
+
+
+def format_device_time_by_launcher(table: dict[tuple[str, str, str], tuple[float, int]], rows: int = 60,
+                                   width: int = 150) -> str:
+    """``device_time_by_launcher`` as text, the largest first."""
+    total = sum(us for us, _ in table.values())
+    lines = [f"device time {total / 1e3:.1f} ms; by region / launching host op / kernel:",
+             f"{'ms':>8} {'share':>6} {'count':>6}  region / op / kernel"]
+    for (region, launcher, kernel), (us, n) in sorted(table.items(), key=lambda kv: -kv[1][0])[:rows]:
+        lines.append(f"{us / 1e3:8.2f} {us / max(total, 1e-9):6.1%} {n:6d}  "
+                     f"{f'{region} / {launcher} / {kernel}'[:width]}")
+    return "\n".join(lines) + "\n"
 
 
 def load_trace(path: Union[str, Path]) -> list[dict[str, Any]]:

@@ -48,7 +48,8 @@ from moe_lc.metrics import (
 )
 from moe_lc.metrics.breakdown import (breakdown, component_ranges, format_kernels_by_component, host_breakdown, idle_share,
                                       kernels_by_component, profiled_kernels)
-from moe_lc.metrics.gaps import find_gaps, format_gaps, load_trace
+from moe_lc.metrics.gaps import (device_time_by_launcher, find_gaps, format_device_time_by_launcher, format_gaps,
+                                  load_trace)
 from moe_lc.metrics.kernel_kinds import device_kernels, format_kinds, kernels_by_kind
 from moe_lc.metrics.memory import allocator_counters
 from moe_lc.model.accounting import training_flops_per_token
@@ -315,7 +316,8 @@ def _full_step_idle_share(taken_steps, show) -> float:
 
 def _write_gaps(taken_steps, show, prefix: Path) -> None:
     """Where the GPU waits for the host in a step of two micro-batches (its start, the seam between
-    micro-batches, its end and optimizer), host ops and kernels traced: `moe_lc.metrics.gaps`."""
+    micro-batches, its end and optimizer), host ops and kernels traced: `moe_lc.metrics.gaps`; and its
+    kernel time by the host op that launched each kernel (``*_launchers.txt``)."""
     plan = schedule(wait=0, warmup=PROFILER_WARMUP_STEPS, active=1, repeat=1)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=plan) as prof:
         for k in range(PROFILER_WARMUP_STEPS + 1):
@@ -326,6 +328,7 @@ def _write_gaps(taken_steps, show, prefix: Path) -> None:
     events = load_trace(trace)
     gaps, window, busy = find_gaps(events)
     Path(f"{prefix}_gaps.txt").write_text(format_gaps(gaps, window, busy))
+    Path(f"{prefix}_launchers.txt").write_text(format_device_time_by_launcher(device_time_by_launcher(events)))
     _write_kinds(device_kernels(events), trace)
 
 
