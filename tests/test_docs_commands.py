@@ -282,8 +282,11 @@ COMMANDS: dict[str, object] = {
         "python benchmarks/bench_ab.py k3-small-8k model.num_layers=11 --rounds 2 --steps 4 --warmup 2 --variant after= "
         "--variant old=@.base2",
         "python -m pytest -q tests/test_output_gate.py",
-        "python benchmarks/bench_ab.py k3-small-8k --rounds 2 --steps 4 --warmup 2 --variant fused= --variant "
-        'reference="model.kda.gate_backend=torch model.mla.gate_backend=torch"',
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=11 --rounds 2 --steps 4 --warmup 2 --variant after= "
+        '--variant nogate="model.kda.gate_backend=torch model.mla.gate_backend=torch"',
+        "python benchmarks/bench_ab.py k3-small-8k model.num_layers=11 --rounds 2 --steps 4 --warmup 2 --variant after= "
+        "--variant pre=@.base3",
+        "moe-lc bench k3-small-8k model.num_layers=11 --steps 3 --warmup 2 --trace DIR",
     )},
     # launch/ comments
     "bash launch/train_single_node.sh recipe=proxy-8k": Run(PROXY + " run_dir=runs/proxy-8k", env="MAX_RESTARTS=0"),
