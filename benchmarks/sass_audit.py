@@ -146,11 +146,11 @@ def _output_gate() -> None:
     """KDA's gated output norm (heads of HEAD_DIM) and MLA's plain gate, each gate a column slice."""
     from moe_lc_kernels.output_gate import gated_output_triton
 
-    wide = _bf16(TOKENS, 64 + HEADS * HEAD_DIM)[:, 64:]
-    for weight in (torch.ones(HEAD_DIM, requires_grad=True), None):
-        x = _bf16(TOKENS, HEADS, HEAD_DIM).requires_grad_(True)
-        gate = wide.view(TOKENS, HEADS, HEAD_DIM) if weight is not None else wide.reshape(TOKENS, HEADS, HEAD_DIM)
-        gated_output_triton(x, gate, weight).backward(_bf16(TOKENS, HEADS, HEAD_DIM))
+    gate = _bf16(TOKENS, 64 + HEADS * HEAD_DIM)[:, 64:]
+    for weight, shape in ((torch.ones(HEAD_DIM, requires_grad=True), (TOKENS, HEADS, HEAD_DIM)),
+                          (None, (TOKENS, HEADS * HEAD_DIM))):
+        x = _bf16(*shape).requires_grad_(True)
+        gated_output_triton(x, gate.view(shape), weight).backward(_bf16(*shape))
 
 
 def _router() -> None:

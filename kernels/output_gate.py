@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from moe_lc_kernels.layout import row_stride
 from moe_lc_kernels.tuning import parse_launch_choices
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -29,10 +30,6 @@ def _grid(n: int, c: int, group: int, rows: int) -> tuple[int, int]:
     return (-(-n // rows), -(-c // group))
 
 
-def _row_stride(t: Tensor) -> int:
-    return t.stride(0) if t.shape[0] > 1 else t.shape[1]
-
-
 @torch.library.custom_op("moe_lc::gated_output", mutates_args=())
 def _gated_output(x: Tensor, g: Tensor, w: Optional[Tensor], eps: float, group: int) -> tuple[Tensor, Tensor]:
     """y [N, C] in g's dtype and 1 / rms(x) [N, C / group] (empty without w) for x, g [N, C] with unit
@@ -44,7 +41,7 @@ def _gated_output(x: Tensor, g: Tensor, w: Optional[Tensor], eps: float, group: 
     rstd = torch.empty(n if w is not None else 0, c // group, device=x.device, dtype=torch.float32)
     if y.numel():
         kt.gated_output_fwd_kernel[_grid(n, c, group, TUNING["rows"])](
-            x, g, w if w is not None else x, y, rstd, n, c, _row_stride(x), _row_stride(g), eps, GROUP=group,
+            x, g, w if w is not None else x, y, rstd, n, c, row_stride(x), row_stride(g), eps, GROUP=group,
             BLOCK_N=TUNING["rows"], NORM=w is not None, num_warps=TUNING["warps"])
     return y, rstd
 
@@ -71,7 +68,7 @@ def _gated_output_backward(x: Tensor, g: Tensor, w: Optional[Tensor], rstd: Tens
     dw_part = torch.empty(grid[0] if w is not None else 0, c, device=x.device, dtype=torch.float32)
     if dx.numel():
         kt.gated_output_bwd_kernel[grid](
-            x, g, w if w is not None else x, rstd, dy, dx, dg, dw_part, n, c, _row_stride(x), _row_stride(g),
+            x, g, w if w is not None else x, rstd, dy, dx, dg, dw_part, n, c, row_stride(x), row_stride(g),
             GROUP=group, BLOCK_N=rows, NORM=w is not None, num_warps=TUNING["bwd_warps"])
     if w is None:
         return dx, dg, dw_part

@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from moe_lc_kernels.layout import row_stride
+
 # Tokens per program: a [BLOCK_T, 64] fp32 tile is 32 registers a thread at 4 warps.
 TUNING = dict(block_t=64, warps=4)
 
@@ -23,8 +25,7 @@ def _shape(logits: Tensor, top_k: int) -> tuple[int, int, int, int, int]:
     import triton
 
     tokens, experts = logits.shape
-    stride = logits.stride(0) if tokens > 1 else experts
-    return tokens, experts, triton.next_power_of_2(experts), triton.next_power_of_2(top_k), stride
+    return tokens, experts, triton.next_power_of_2(experts), triton.next_power_of_2(top_k), row_stride(logits)
 
 
 def _rows(logits: Tensor) -> Tensor:

@@ -14,6 +14,7 @@ import os
 import torch
 from torch import Tensor
 
+from moe_lc_kernels.layout import row_stride
 from moe_lc_kernels.tuning import parse_launch_choices
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -95,7 +96,7 @@ def _situ_glu_stacked(y: Tensor, beta1: float, beta2: float) -> Tensor:
     hidden = y.shape[-1] // 2
     h = y.new_empty(y.shape[0], hidden)
     if h.numel():
-        _launch(kt.situ_glu_fwd_kernel, h.numel(), y, y[:, hidden:], h, h.numel(), hidden, _row_stride(y),
+        _launch(kt.situ_glu_fwd_kernel, h.numel(), y, y[:, hidden:], h, h.numel(), hidden, row_stride(y),
                 beta1, beta2, stacked=True)
     return h
 
@@ -116,7 +117,7 @@ def _situ_glu_stacked_backward(y: Tensor, dh: Tensor, beta1: float, beta2: float
     dy = y.new_empty(y.shape[0], 2 * hidden)
     if dh.numel():
         _launch(kt.situ_glu_bwd_kernel, dh.numel(), y, y[:, hidden:], dh, dy, dy[:, hidden:], dh.numel(),
-                hidden, _row_stride(y), 2 * hidden, beta1, beta2, stacked=True, prefix="bwd_")
+                hidden, row_stride(y), 2 * hidden, beta1, beta2, stacked=True, prefix="bwd_")
     return dy
 
 
@@ -137,11 +138,6 @@ def _situ_glu_stacked_grad(ctx, dh: Tensor):
 
 
 _situ_glu_stacked.register_autograd(_situ_glu_stacked_grad, setup_context=_situ_glu_stacked_setup)
-
-
-def _row_stride(y: Tensor) -> int:
-    """Elements between the rows of a 2-D y whose last dim is contiguous."""
-    return y.stride(0) if y.shape[0] > 1 else y.shape[1]
 
 
 def situ_glu_triton(a: Tensor, c: Tensor, beta1: float = 4.0, beta2: float = 25.0) -> Tensor:

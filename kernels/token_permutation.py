@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from moe_lc_kernels.layout import row_stride
+
 # Columns per program and warps: memory-bound gathers of whole rows (k3-small's latent width 1024 is
 # one program per token at 1024 x 4 warps).
 TUNING = dict(block=1024, warps=4)
@@ -29,10 +31,6 @@ def _grid(tokens: int, width: int) -> tuple[tuple[int, int], int]:
     return (tokens, triton.cdiv(width, block)), block
 
 
-def _row_stride(src: Tensor) -> int:
-    return src.stride(0) if src.shape[0] > 1 else src.shape[1]
-
-
 def sum_token_rows_triton(src: Tensor, rows: Tensor, weights: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
     """[T, width] in ``out_dtype``: out[t] = sum_s w[t, s] src[rows[t, s]] (w = 1 without weights)."""
     from moe_lc_kernels import token_permutation_triton as kt
@@ -45,7 +43,7 @@ def sum_token_rows_triton(src: Tensor, rows: Tensor, weights: Optional[Tensor], 
     if out.numel():
         grid, block = _grid(tokens, width)
         w = weights.contiguous() if weights is not None else rows  # unread without WEIGHTED
-        kt.sum_rows_kernel[grid](src, rows, w, out, width, _row_stride(src), K=k, WEIGHTED=weights is not None,
+        kt.sum_rows_kernel[grid](src, rows, w, out, width, row_stride(src), K=k, WEIGHTED=weights is not None,
                                  BLOCK=block, num_warps=TUNING["warps"])
     return out
 
@@ -64,7 +62,7 @@ def combine_backward_triton(du: Tensor, src: Tensor, rows: Tensor, weights: Tens
         return dsrc.zero_(), weights.new_zeros(tokens, k, dtype=torch.float32)
     grid, block = _grid(tokens, width)
     parts = torch.empty(tokens, k, grid[1], device=src.device, dtype=torch.float32)
-    kt.combine_bwd_kernel[grid](du, src, rows, weights, dsrc, parts, width, _row_stride(src), grid[1], K=k,
+    kt.combine_bwd_kernel[grid](du, src, rows, weights, dsrc, parts, width, row_stride(src), grid[1], K=k,
                                 BLOCK=block, num_warps=TUNING["warps"])
     return dsrc, parts.sum(-1)
 
